@@ -1,0 +1,101 @@
+"""The ``wonderland`` command: one sub-command per concern, all refusals exit 2.
+
+Heavy imports (torch, deepspeed) happen inside the commands that need them, so ``check`` and
+``status`` answer in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from .findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, Finding, GuardStop, Refused, has_errors, render
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from . import ds_config, hostfile
+
+    findings: list[Finding] = []
+    world = args.world_size
+    if args.hostfile:
+        hf, found = hostfile.parse(args.hostfile)
+        findings += found
+        if hf is not None and world is None:
+            world = hf.world_size
+    stages = {args.stage} if args.stage else set()
+    for path in args.configs:
+        found = ds_config.check_file(path, world, stages)
+        findings += found or [Finding("config", "ok", "valid", "", path)]
+    render(findings, args.json)
+    if not args.json:
+        n_err = sum(f.severity == "error" for f in findings)
+        n_warn = sum(f.severity == "warn" for f in findings)
+        verdict = "refused" if n_err else "ok"
+        print(f"{verdict}: {len(args.configs)} config(s), {n_err} error(s), {n_warn} warning(s)")
+    return EXIT_REFUSED if has_errors(findings) else EXIT_OK
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _stage(text: str) -> int:
+    value = _positive(text)
+    if value > 18:
+        raise argparse.ArgumentTypeError(f"stage {value} does not exist (stages are 1..18)")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wonderland",
+        description="Run and guard the Wonderland pipeline's stages on DeepSpeed.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", help="validate DeepSpeed JSON configs and a hostfile, no GPU")
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
+    p.add_argument("--hostfile", help="hostfile whose slots give the world size")
+    p.add_argument("--world-size", type=_positive, help="data-parallel size (default: hostfile)")
+    p.add_argument("--stage", type=_stage, help="apply the rules for this stage (e.g. 16)")
+    p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    p.set_defaults(func=cmd_check)
+
+    from . import commands
+
+    commands.add_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except Refused as exc:
+        if getattr(args, "json", False):
+            json.dump({"refused": [f.to_dict() for f in exc.findings]}, sys.stdout, indent=2)
+            print()
+        else:
+            render(exc.findings, False, sys.stderr)
+            print("refused: nothing was started, written or deleted", file=sys.stderr)
+        return EXIT_REFUSED
+    except GuardStop as exc:
+        render(exc.findings, False, sys.stderr)
+        return EXIT_GUARD
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Findings: the one shape every check in wonderland_ds reports in.
+
+A check is a pure function that returns findings; the CLI, the preflight and the tests all
+share them. A finding names what is wrong (``message``), where (``file`` and ``path``, a JSON
+path or a checkpoint file) and how to fix it (``fix``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import Iterable, Literal
+
+Severity = Literal["ok", "info", "warn", "error"]
+
+#: Exit codes (DESIGN.md): 0 success, 2 refused input, 3 a health guard stopped the run.
+EXIT_OK = 0
+EXIT_REFUSED = 2
+EXIT_GUARD = 3
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One result of one check."""
+
+    rule: str
+    """Stable rule name, e.g. ``batch-triangle`` or ``ckpt-optimizer-state``."""
+    severity: Severity
+    message: str
+    """What is wrong (or what was verified, for ``ok``)."""
+    fix: str = ""
+    """How to fix it; empty for ``ok`` findings."""
+    file: str = ""
+    """The file the finding is about (config, hostfile, checkpoint file)."""
+    path: str = ""
+    """JSON path inside ``file`` (``zero_optimization.stage``), or a sub-file."""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def line(self) -> str:
+        where = self.file + (f": {self.path}" if self.path else "") if self.file else self.path
+        head = f"{self.severity.upper():5} [{self.rule}]"
+        text = f"{head} {where}: {self.message}" if where else f"{head} {self.message}"
+        return text + (f"\n      fix: {self.fix}" if self.fix else "")
+
+
+class Refused(Exception):
+    """A user mistake: printed as findings, exit code 2, never a traceback."""
+
+    def __init__(self, findings: Iterable[Finding] | Finding | str, fix: str = "") -> None:
+        if isinstance(findings, str):
+            findings = [Finding("refused", "error", findings, fix)]
+        elif isinstance(findings, Finding):
+            findings = [findings]
+        self.findings = list(findings)
+        super().__init__("; ".join(f.message for f in self.findings))
+
+
+class GuardStop(Exception):
+    """A health guard stopped the run: exit code 3 with a report."""
+
+    def __init__(self, findings: Iterable[Finding]) -> None:
+        self.findings = list(findings)
+        super().__init__("; ".join(f.message for f in self.findings))
+
+
+def has_errors(findings: Iterable[Finding]) -> bool:
+    return any(f.severity == "error" for f in findings)
+
+
+def render(findings: list[Finding], as_json: bool, stream=None) -> None:
+    """Print findings as lines (errors first) or as a JSON list."""
+    stream = stream or sys.stdout
+    if as_json:
+        json.dump([f.to_dict() for f in findings], stream, indent=2)
+        stream.write("\n")
+        return
+    order = {"error": 0, "warn": 1, "info": 2, "ok": 3}
+    for f in sorted(findings, key=lambda f: order[f.severity]):
+        print(f.line(), file=stream)
