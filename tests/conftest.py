@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO.parent / "shared" / "corpus" / "public_ds_configs"
+CORPUS = REPO / "tests" / "corpus" / "public_ds_configs"
 
 
 @pytest.fixture
