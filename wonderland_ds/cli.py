@@ -11,7 +11,16 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from .findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, Finding, GuardStop, Refused, has_errors, render
+from .findings import (
+    EXIT_GUARD,
+    EXIT_OK,
+    EXIT_REFUSED,
+    Finding,
+    GuardStop,
+    Refused,
+    has_errors,
+    render,
+)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

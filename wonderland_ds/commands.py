@@ -1,9 +1,327 @@
-"""Sub-commands beyond ``check``; filled in by the stage engine."""
+"""``wonderland train | pipeline | status | inspect | convert``: the front process.
+
+``train`` validates and preflights in this process, then hands the stage to DeepSpeed's own
+launcher (which runs ``wonderland_ds/train.py`` on every rank). A refusal here means nothing was
+launched or written.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from . import hostfile as hostfile_mod
+from .findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, Finding, Refused, has_errors, render
+from .stage_args import DEFAULT_HOSTFILE, add_stage_flags, positive
+
+
+def _hostfile(path: str) -> hostfile_mod.Hostfile:
+    hf, found = hostfile_mod.parse(path)
+    if hf is None:
+        raise Refused(found)
+    return hf
+
+
+def _stage_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
+    out = [
+        "--stage",
+        str(args.stage),
+        "--config",
+        str(Path(args.config).resolve()),
+        "--run-dir",
+        str(run_dir.resolve()),
+    ]
+    for flag in (
+        "resume",
+        "grad_acc_steps",
+        "steps",
+        "seed",
+        "min_warmup_steps",
+        "baseline",
+        "fault",
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            if flag == "resume" and value != "auto":
+                value = str(Path(value).resolve())
+            out += [f"--{flag.replace('_', '-')}", str(value)]
+    for flag in ("optimizer_state", "scheduler_state", "allow_seed_change", "allow_data_change"):
+        if getattr(args, flag):
+            out.append(f"--{flag.replace('_', '-')}")
+    return out
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from . import launch, manifest
+    from .stage import plan_stage, resolve_run_dir
+
+    hf = _hostfile(args.hostfile)
+    world = args.nproc or hf.world_size
+    run_dir = resolve_run_dir(args)
+    decided = plan_stage(args, world, run_dir)
+    cmd, env, notes = launch.build(
+        hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port
+    )
+    plan = decided["plan"]
+    if args.dry_run:
+        report = {
+            "run_dir": str(run_dir),
+            "world_size": world,
+            "command": cmd,
+            "deepspeed_config": decided["ds_dict"],
+            "preflight": plan.to_dict(),
+            "notes": notes,
+        }
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print("resolved DeepSpeed config:")
+            print(json.dumps(decided["ds_dict"], indent=2))
+            print("preflight:")
+            render(plan.findings, False)
+            print("launch command:\n  " + shlex.join(cmd))
+            for note in notes:
+                print(f"note: {note}")
+            print("dry run: nothing launched")
+        return EXIT_OK
+    render(plan.findings, False)
+    for note in notes:
+        print(f"note: {note}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch.write_env_file(run_dir, env)
+    print("launch: " + shlex.join(cmd), flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
+        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+        if entry.get("status") == "running":
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status="failed",
+                finished=manifest.now(),
+                error=f"launcher exit code {rc}",
+            )
+        print(
+            f"stage {args.stage} failed: the deepspeed launcher exited with {rc} (a rank died"
+            f" or crashed; see its output above). Continue with --resume auto --run-dir"
+            f" {run_dir}",
+            file=sys.stderr,
+        )
+    return rc
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from . import manifest, stages
+
+    if args.to < args.from_:
+        raise Refused(f"--to {args.to} is before --from {args.from_}", "use --from <= --to")
+    run_dir = (
+        Path(args.run_dir)
+        if args.run_dir
+        else Path("runs") / __import__("time").strftime("run-%Y%m%d-%H%M%S")
+    )
+    rc = EXIT_OK
+    for n in range(args.from_, args.to + 1):
+        done = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(n), {})
+        if done.get("status") == "ok":
+            print(f"stage {n}: already done in {run_dir}, skipped")
+            continue
+        st = stages.get(n)
+        has_own = (run_dir / f"stage{n}" / "checkpoints").is_dir()
+        resume = "auto" if (st.resumes or has_own) else None
+        argv = [
+            "--stage",
+            str(n),
+            "--config",
+            args.config,
+            "--run-dir",
+            str(run_dir),
+            "--hostfile",
+            args.hostfile,
+        ]
+        if resume:
+            argv += ["--resume", resume]
+        if stages.get(n).preflight:
+            argv += ["--optimizer-state", "--scheduler-state"]
+        if args.nproc:
+            argv += ["--nproc", str(args.nproc)]
+        print(f"== stage {n}: {st.name}", flush=True)
+        sub = build_train_parser()
+        rc = cmd_train(sub.parse_args(argv))
+        if rc != EXIT_OK:
+            print(f"pipeline stopped at stage {n} (exit {rc})", file=sys.stderr)
+            break
+    print(run_dir.resolve())
+    return rc
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from . import checkpoint as ck
+    from . import manifest
+
+    run_dir = Path(args.run_dir)
+    data = manifest.read(run_dir)
+    if data is None:
+        raise Refused(
+            Finding(
+                "status",
+                "error",
+                f"no readable {manifest.NAME} here",
+                "pass a run directory made by wonderland train/pipeline",
+                str(run_dir),
+            )
+        )
+    for key, entry in data["stages"].items():
+        root = run_dir / f"stage{key}" / "checkpoints"
+        newest = ck.newest_complete(root, deep=False)
+        entry["latest_complete_checkpoint"] = str(newest.tag_dir) if newest else None
+    report = run_dir / "stage17" / "report.json"
+    if report.exists():
+        data["gate"] = json.loads(report.read_text())["gate"]["verdict"]
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    print(f"run {data['run_dir']}")
+    for key in sorted(data["stages"], key=int):
+        e = data["stages"][key]
+        extra = f" loss {e['final_loss']:.4f}" if isinstance(e.get("final_loss"), float) else ""
+        print(
+            f"  stage {key:>2} {e.get('name', ''):<24} {e.get('status', '?'):<12}"
+            f" step {e.get('global_step', '-')}{extra}"
+        )
+        if e.get("latest_complete_checkpoint"):
+            print(f"           latest complete checkpoint: {e['latest_complete_checkpoint']}")
+    if "gate" in data:
+        print(f"  stage-17 gate: {data['gate']}")
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .ckpt_inspect import describe
+
+    info, found = describe(Path(args.checkpoint))
+    if args.json:
+        print(
+            json.dumps(
+                {"checkpoint": info, "findings": [f.to_dict() for f in found]},
+                indent=2,
+                default=str,
+            )
+        )
+    else:
+        for key in (
+            "path",
+            "written_by",
+            "complete",
+            "stage",
+            "global_step",
+            "skipped_steps",
+            "warmup_progress",
+            "has_optimizer_state",
+            "has_scheduler_state",
+            "world_size",
+            "zero_stage",
+            "precision",
+            "loss_scale",
+            "data",
+            "versions",
+            "deepspeed_version",
+            "optimizer_state_files",
+            "client_state_keys",
+        ):
+            if key in info:
+                print(f"{key:>22}: {info[key]}")
+        render(found, False)
+    return EXIT_REFUSED if has_errors(found) else EXIT_OK
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import checkpoint as ck
+    from .ckpt_inspect import resolve_tag_dir
+    from .universal import convert
+
+    source = resolve_tag_dir(Path(args.checkpoint))
+    v = ck.verify(source)
+    if not v.complete and not args.unverified:
+        raise Refused(
+            v.findings
+            + [
+                Finding(
+                    "convert",
+                    "error",
+                    "refusing to convert an unverified checkpoint",
+                    "pass --unverified for plain DeepSpeed checkpoints you trust",
+                    str(source),
+                )
+            ]
+        )
+    out, found = convert(source, Path(args.out) if args.out else source.parent)
+    render(found, False)
+    print(out)
+    return EXIT_OK
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hostfile",
+        default=str(DEFAULT_HOSTFILE),
+        help="DeepSpeed hostfile (default: %(default)s)",
+    )
+    p.add_argument("--nproc", type=positive, help="processes per node (default: hostfile slots)")
+    p.add_argument("--master-port", type=positive, help="rendezvous port (default: a free one)")
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wonderland train")
+    add_stage_flags(p)
+    _add_launch_flags(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, launch command and preflight; launch nothing",
+    )
+    return p
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    return None
+    p = sub.add_parser("train", help="run one stage through the deepspeed launcher")
+    add_stage_flags(p)
+    _add_launch_flags(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, launch command and preflight; launch nothing",
+    )
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("pipeline", help="run stages in order (default 15 -> 17)")
+    p.add_argument("--from", dest="from_", type=int, default=15, choices=range(1, 19), metavar="N")
+    p.add_argument("--to", type=int, default=17, choices=range(1, 19), metavar="N")
+    p.add_argument("--run-dir")
+    from .stage_args import DEFAULT_CONFIG
+
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    _add_launch_flags(p)
+    p.set_defaults(func=cmd_pipeline)
+
+    p = sub.add_parser("status", help="stages, outcomes and checkpoints of a run directory")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("inspect", help="what a checkpoint holds and lacks (never runs its code)")
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("convert", help="make a universal checkpoint (ds_to_universal)")
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("--out", help="folder for the universal checkpoint (default: beside it)")
+    p.add_argument(
+        "--unverified", action="store_true", help="convert a checkpoint without wonderland metadata"
+    )
+    p.set_defaults(func=cmd_convert)

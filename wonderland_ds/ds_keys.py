@@ -7,7 +7,8 @@ constants modules with :mod:`ast` (about 0.1 s) and takes from them:
 * every identifier-like string literal and annotated field name: the superset of keys that
   DeepSpeed reads anywhere in a config (a valid config is never refused for an unknown key);
 * the removed top-level keys DeepSpeed 0.19 refuses outright (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``);
-* the field names and aliases of DeepSpeed's pydantic section models, which forbid extra keys.
+* the field names, aliases, annotations and constant bounds of DeepSpeed's pydantic section
+  models (``SECTION_MODELS``), which forbid extra keys and type-check values.
 
 The test suite checks this against DeepSpeed's real parser (``tests/test_ds_parity.py``).
 """
@@ -17,7 +18,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cache, lru_cache
 from pathlib import Path
 
 _IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -75,38 +77,92 @@ def removed_keys() -> frozenset[str]:
     return _parsed()[1]
 
 
-@lru_cache(maxsize=None)
+#: Sections DeepSpeed validates with one of its pydantic models (unknown keys refused, values
+#: type-checked), by dotted path in the config: (module under deepspeed/, class).
+SECTION_MODELS: dict[str, tuple[str, str]] = {
+    "zero_optimization": ("runtime/zero/config.py", "DeepSpeedZeroConfig"),
+    "zero_optimization.offload_param": (
+        "runtime/zero/offload_config.py",
+        "DeepSpeedZeroOffloadParamConfig",
+    ),
+    "zero_optimization.offload_optimizer": (
+        "runtime/zero/offload_config.py",
+        "DeepSpeedZeroOffloadOptimizerConfig",
+    ),
+    "fp16": ("runtime/precision_config.py", "DeepSpeedFP16Config"),
+    "bf16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),
+    "bfloat16": ("runtime/precision_config.py", "DeepSpeedBF16Config"),  # old name of bf16
+    "tensorboard": ("monitor/config.py", "TensorBoardConfig"),
+    "wandb": ("monitor/config.py", "WandbConfig"),
+    "csv_monitor": ("monitor/config.py", "CSVConfig"),
+    "comet": ("monitor/config.py", "CometConfig"),
+    "comms_logger": ("comm/config.py", "CommsLoggerConfig"),
+    "hybrid_engine": ("runtime/config.py", "HybridEngineConfig"),
+    "compile": ("compile/config.py", "CompileConfig"),
+}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of a DeepSpeed pydantic model, as written in its source."""
+
+    annotation: str
+    """The annotation's source text, e.g. ``int`` or ``Optional[bool]``."""
+    bounds: tuple[tuple[str, float], ...] = ()
+    """Numeric constraints given as constants in ``Field(...)``: ``(("gt", 0),)``."""
+
+
+@cache
+def _tree(relpath: str) -> ast.Module:
+    return ast.parse((deepspeed_root() / relpath).read_text(encoding="utf-8"))
+
+
+@cache
+def model_schema(relpath: str, class_name: str) -> dict[str, FieldSpec]:
+    """Fields (by name and by alias) of one of DeepSpeed's pydantic config models."""
+    for node in ast.walk(_tree(relpath)):
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            fields: dict[str, FieldSpec] = {}
+            for stmt in node.body:
+                if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                    continue
+                names, bounds = [stmt.target.id], []
+                call = stmt.value
+                if isinstance(call, ast.Call):
+                    for kw in call.keywords:
+                        if not isinstance(kw.value, ast.Constant):
+                            continue
+                        if kw.arg == "alias":
+                            names.append(str(kw.value.value))
+                        elif kw.arg in ("gt", "ge", "lt", "le") and isinstance(
+                            kw.value.value, (int, float)
+                        ):
+                            bounds.append((kw.arg, float(kw.value.value)))
+                spec = FieldSpec(ast.unparse(stmt.annotation), tuple(bounds))
+                fields.update(dict.fromkeys(names, spec))
+            return fields
+    raise DeepSpeedNotInstalled(
+        f"{class_name} not found in {relpath}: unsupported DeepSpeed version"
+    )
+
+
 def model_fields(relpath: str, class_name: str) -> frozenset[str]:
     """Field names and aliases of one of DeepSpeed's pydantic config models."""
-    src = deepspeed_root() / relpath
-    tree = ast.parse(src.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            fields: set[str] = set()
-            for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    fields.add(stmt.target.id)
-                    call = stmt.value
-                    if isinstance(call, ast.Call):
-                        for kw in call.keywords:
-                            if kw.arg == "alias" and isinstance(kw.value, ast.Constant):
-                                fields.add(str(kw.value.value))
-            return frozenset(fields)
-    raise DeepSpeedNotInstalled(f"{class_name} not found in {src}: unsupported DeepSpeed version")
+    return frozenset(model_schema(relpath, class_name))
+
+
+def section_keys(section: str) -> frozenset[str]:
+    """The keys DeepSpeed allows in a section of ``SECTION_MODELS``."""
+    return model_fields(*SECTION_MODELS[section])
 
 
 def zero_keys() -> frozenset[str]:
-    return model_fields("runtime/zero/config.py", "DeepSpeedZeroConfig")
+    return section_keys("zero_optimization")
 
 
 def offload_keys(kind: str) -> frozenset[str]:
-    cls = {
-        "offload_param": "DeepSpeedZeroOffloadParamConfig",
-        "offload_optimizer": "DeepSpeedZeroOffloadOptimizerConfig",
-    }[kind]
-    return model_fields("runtime/zero/offload_config.py", cls)
+    return section_keys(f"zero_optimization.{kind}")
 
 
 def precision_keys(section: str) -> frozenset[str]:
-    cls = {"fp16": "DeepSpeedFP16Config", "bf16": "DeepSpeedBF16Config"}[section]
-    return model_fields("runtime/precision_config.py", cls)
+    return section_keys(section)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 Severity = Literal["ok", "info", "warn", "error"]
 

@@ -65,32 +65,62 @@ def parse(path: str | Path) -> tuple[Hostfile | None, list[Finding]]:
             hint = ""
             if re.search(r"slots\s*=\s*\d", line):
                 hint = " (no spaces around '=': DeepSpeed's parser needs 'slots=N')"
-            out.append(Finding("hostfile", "error", f"bad entry {line!r}{hint}", fix_fmt, file, where))
+            out.append(
+                Finding("hostfile", "error", f"bad entry {line!r}{hint}", fix_fmt, file, where)
+            )
             continue
         host, slots, rest = m.group(1), int(m.group(2)), m.group(3).strip()
         if rest and not rest.startswith("#"):
-            out.append(Finding(
-                "hostfile", "error", f"unexpected text {rest!r} after slots on host {host!r}",
-                "keep only 'HOSTNAME slots=N' on the line (comments start with #)", file, where))
+            out.append(
+                Finding(
+                    "hostfile",
+                    "error",
+                    f"unexpected text {rest!r} after slots on host {host!r}",
+                    "keep only 'HOSTNAME slots=N' on the line (comments start with #)",
+                    file,
+                    where,
+                )
+            )
         if not _HOST_OK.match(host):
-            out.append(Finding(
-                "hostfile", "error",
-                f"host name {host!r} contains characters that are not allowed (shell"
-                " metacharacters reach the ssh/pdsh command line)",
-                "use a plain host name or IP address", file, where))
+            out.append(
+                Finding(
+                    "hostfile",
+                    "error",
+                    f"host name {host!r} contains characters that are not allowed (shell"
+                    " metacharacters reach the ssh/pdsh command line)",
+                    "use a plain host name or IP address",
+                    file,
+                    where,
+                )
+            )
         if slots == 0:
-            out.append(Finding(
-                "hostfile", "error", f"host {host!r} has slots=0", "use slots >= 1 (one per GPU)",
-                file, where))
+            out.append(
+                Finding(
+                    "hostfile",
+                    "error",
+                    f"host {host!r} has slots=0",
+                    "use slots >= 1 (one per GPU)",
+                    file,
+                    where,
+                )
+            )
         if host in hosts:
-            out.append(Finding(
-                "hostfile", "error", f"host {host!r} is listed twice (DeepSpeed refuses this)",
-                "keep one line per host and add up its slots", file, where))
+            out.append(
+                Finding(
+                    "hostfile",
+                    "error",
+                    f"host {host!r} is listed twice (DeepSpeed refuses this)",
+                    "keep one line per host and add up its slots",
+                    file,
+                    where,
+                )
+            )
             continue
         hosts[host] = slots
     if not hosts and not out:
         out.append(Finding("hostfile", "error", "hostfile lists no hosts", fix_fmt, file))
     if out:
         return None, out
-    return Hostfile(file, hosts), [Finding(
-        "hostfile", "ok", f"{len(hosts)} host(s), {sum(hosts.values())} slot(s)", "", file)]
+    return Hostfile(file, hosts), [
+        Finding("hostfile", "ok", f"{len(hosts)} host(s), {sum(hosts.values())} slot(s)", "", file)
+    ]

@@ -1,0 +1,209 @@
+"""Describe a checkpoint without trusting it: ``wonderland inspect``.
+
+Works for wonderland checkpoints (metadata + checksums) and for plain DeepSpeed checkpoints
+written by someone else, naming what is missing. Files are read with
+``torch.load(weights_only=True)`` and a small allowlist: a checkpoint is a pickle, and
+inspecting one must never run code from it (DeepSpeed itself loads with weights_only=False).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from . import checkpoint as ck
+from .findings import Finding
+
+_MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
+_OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_UNSAFE = re.compile(r"(?:GLOBAL|global) ([\w.]+ ?[\w.]*)")
+
+
+def resolve_tag_dir(path: Path) -> Path:
+    """A tag folder, or a checkpoint root (use ``latest``, else the newest tag), or a stage
+    folder holding ``checkpoints/``."""
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if any(_MODEL_STATES.match(p.name) for p in path.glob("*.pt")) or (path / ck.META).exists():
+        return path
+    latest = ck.read_latest(path)
+    if latest is not None:
+        return path / latest
+    found = ck.tags(path)
+    return found[-1][1] if found else path
+
+
+def safe_load(path: Path) -> tuple[Any | None, str | None]:
+    """``torch.load(weights_only=True)``; returns (object, None) or (None, reason)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), None
+    except pickle.UnpicklingError as exc:
+        names = _UNSAFE.findall(str(exc))
+        what = f"global {names[0]}" if names else "a non-tensor object"
+        return None, f"refused to unpickle {what} (weights_only=True): it may run code"
+    except Exception as exc:  # noqa: BLE001 - any damage is reported, never raised
+        return None, f"unreadable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def describe(path: Path, deep: bool = True) -> tuple[dict[str, Any], list[Finding]]:
+    """Everything the checkpoint contract asks for, and findings for what is missing."""
+    tag_dir = resolve_tag_dir(path)
+    f = str(tag_dir)
+    out: list[Finding] = []
+    info: dict[str, Any] = {"path": f, "written_by": "unknown"}
+    if not tag_dir.is_dir():
+        return info, [
+            Finding(
+                "ckpt-missing",
+                "error",
+                "checkpoint folder does not exist",
+                "pass a checkpoint folder (global_stepN) or its parent",
+                f,
+            )
+        ]
+    verdict = ck.verify(tag_dir, deep=deep) if (tag_dir / ck.META).exists() else None
+    model_files = sorted(p.name for p in tag_dir.iterdir() if _MODEL_STATES.match(p.name))
+    optim_files = sorted(p.name for p in tag_dir.iterdir() if _OPTIM_STATES.match(p.name))
+    info["model_state_files"] = model_files
+    info["optimizer_state_files"] = optim_files
+    if verdict is not None and verdict.meta is not None:
+        meta = verdict.meta
+        info.update({k: v for k, v in meta.items() if k != "files"})
+        info["written_by"] = "wonderland"
+        info["complete"] = verdict.complete
+        info["files"] = meta.get("files", {})
+        out += verdict.findings or [
+            Finding(
+                "ckpt-checksum",
+                "ok",
+                f"{len(meta.get('files', {}))} file(s) verified (sha256)",
+                "",
+                f,
+            )
+        ]
+    else:
+        info["complete"] = False
+        out.append(
+            Finding(
+                "ckpt-metadata",
+                "warn" if model_files else "error",
+                f"no {ck.META}: not a wonderland checkpoint (or its save never finished); contents"
+                " cannot be verified against checksums",
+                "re-save through wonderland, or resume it once with `wonderland train --resume`"
+                " to get a verified checkpoint",
+                f,
+                ck.META,
+            )
+        )
+    if not model_files:
+        out.append(
+            Finding(
+                "ckpt-model-state",
+                "error",
+                "no model states file (mp_rank_00_model_states.pt)",
+                "this is not a DeepSpeed checkpoint folder",
+                f,
+            )
+        )
+        return info, out
+    states, why = safe_load(tag_dir / model_files[0])
+    if states is None or not isinstance(states, dict):
+        out.append(
+            Finding(
+                "ckpt-untrusted",
+                "error",
+                f"{model_files[0]}: {why}",
+                "inspect only checkpoints you trust; resume needs --trust-checkpoint",
+                f,
+                model_files[0],
+            )
+        )
+        return info, out
+    sched = states.get("lr_scheduler")
+    ds_cfg = states.get("ds_config") or {}
+    info.setdefault("global_step", states.get("global_steps"))
+    info.setdefault("skipped_steps", states.get("skipped_steps"))
+    info.setdefault("deepspeed_version", states.get("ds_version"))
+    info.setdefault("zero_stage", (ds_cfg.get("zero_optimization") or {}).get("stage", 0))
+    info.setdefault(
+        "precision",
+        "bf16"
+        if (ds_cfg.get("bf16") or {}).get("enabled")
+        else "fp16"
+        if (ds_cfg.get("fp16") or {}).get("enabled")
+        else "fp32",
+    )
+    info.setdefault("world_size", len(optim_files) or states.get("dp_world_size"))
+    lbi = sched.get("last_batch_iteration") if isinstance(sched, dict) else None
+    info.setdefault("has_scheduler_state", isinstance(sched, dict))
+    info.setdefault("warmup_progress", None if lbi is None else lbi + 1)
+    info.setdefault("has_optimizer_state", bool(optim_files) or bool(states.get("optimizer")))
+    client = {k for k in states if k not in _DS_KEYS}
+    info["client_state_keys"] = sorted(client)
+    info["module_keys"] = len(states.get("module") or {})
+    if not info["has_optimizer_state"]:
+        out.append(
+            Finding(
+                "ckpt-optimizer-state",
+                "error",
+                "no optimizer state: a weights-only checkpoint resumes 'fine' and then oscillates",
+                "save with engine.save_checkpoint (all ZeRO shards)",
+                f,
+            )
+        )
+    if not info["has_scheduler_state"]:
+        out.append(
+            Finding(
+                "ckpt-scheduler-state",
+                "error",
+                "no LR scheduler state (lr_scheduler is None): the warmup position is lost",
+                "train the previous stage with a scheduler in its config",
+                f,
+            )
+        )
+    if "universal_checkpoint_info" not in states:
+        out.append(
+            Finding(
+                "ckpt-universal-info",
+                "warn",
+                "no universal_checkpoint_info: ds_to_universal needs"
+                " --inject_missing_state to convert it",
+                "",
+                f,
+            )
+        )
+    if info["written_by"] != "wonderland":
+        for what in (
+            "data-loader state (seed, position, fingerprint)",
+            "RNG states",
+            "library versions",
+        ):
+            out.append(Finding("ckpt-missing-field", "warn", f"no {what}", "", f))
+    return info, out
+
+
+_DS_KEYS = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "ds_config",
+    "ds_version",
+}

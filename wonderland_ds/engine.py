@@ -1,0 +1,328 @@
+"""The per-rank training stage: build, load, a plain step loop, verified saves.
+
+Read top to bottom: :func:`build` makes the model and the DeepSpeed engine, :func:`restore`
+loads a checkpoint (plain or universal) and repairs what DeepSpeed leaves wrong,
+:func:`fit` trains ``steps`` optimizer steps and saves through :func:`save`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint as ck
+from . import distributed as dist
+from . import faults, manifest
+from .data import GlobalSampler, LoaderState
+from .ds_config import DSConfig
+from .findings import Finding
+from .settings import WonderlandSettings
+from .tasks import Task, normalization_stats
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StageRun:
+    """Everything one rank needs to run one training stage."""
+
+    stage: int
+    run_dir: Path
+    task: Task
+    ds_dict: dict[str, Any]
+    cfg: DSConfig
+    settings: WonderlandSettings
+    seed: int
+    steps: int
+    fault: faults.FaultPlan = field(default_factory=faults.FaultPlan)
+
+    @property
+    def stage_dir(self) -> Path:
+        return self.run_dir / f"stage{self.stage}"
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.stage_dir / "checkpoints"
+
+
+@dataclass
+class Progress:
+    """The state the loop carries and every checkpoint records."""
+
+    samples_consumed: int = 0
+    stage_start_step: int = 0
+    norm_mean: list[float] = field(default_factory=list)
+    norm_std: list[float] = field(default_factory=list)
+
+
+def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
+    import deepspeed
+
+    torch.manual_seed(run.seed)
+    model = run.task.build_model()
+    if norm is not None:
+        model.norm.set_stats(*norm)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=run.ds_dict)
+    return engine
+
+
+def _micro_seed(seed: int, step: int, micro: int, rank: int) -> int:
+    # Dropout noise is a function of the sample's place in the run, not of history: a resumed
+    # run draws exactly what the uninterrupted run drew.
+    return (seed * 1_000_003 + step * 10_007 + micro * 101 + rank) % (2**63)
+
+
+def _rng_states() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state()[1].copy(),
+        "python": repr(random.getstate()),
+    }
+
+
+def save(run: StageRun, engine: Any, prog: Progress, loss: float | None) -> Path:
+    """A verified, crash-safe save (see checkpoint.py for the order of writes)."""
+    step = int(engine.global_steps)
+    tag = ck.tag_for(step)
+    tag_dir = run.ckpt_root / tag
+    if dist.is_main():
+        run.ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tag_dir.exists():  # a save of this step that never completed: start it over
+            ck.retain(run.ckpt_root, run.settings.keep_last)
+            if tag_dir.exists() and ck.read_meta(tag_dir) is None:
+                import shutil
+
+                shutil.rmtree(tag_dir)
+    dist.barrier()
+    state = loader_state(run, prog)
+    client = {
+        "universal_checkpoint_info": {"universal_checkpoint_version": 0.2},
+        "wonderland": {
+            "stage": run.stage,
+            "data": state.to_dict(),
+            "stage_start_step": prog.stage_start_step,
+            "norm_mean": prog.norm_mean,
+            "norm_std": prog.norm_std,
+        },
+    }
+    engine.save_checkpoint(str(run.ckpt_root), tag=tag, client_state=client, save_latest=False)
+    rngs = dist.gather_all(_rng_states())
+    faults.maybe(run.fault, "save-after-shards", step)
+    dist.barrier()  # every rank's shards are on disk before anyone declares the save complete
+    if dist.is_main():
+        torch.save({"ranks": rngs}, tag_dir / ck.RNG_FILE)
+        sched = engine.lr_scheduler
+        lbi = int(sched.last_batch_iteration) if sched is not None else None
+        scaler = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+        meta = {
+            "stage": run.stage,
+            "global_step": step,
+            "skipped_steps": int(engine.skipped_steps),
+            "stage_start_step": prog.stage_start_step,
+            "has_optimizer_state": True,
+            "has_scheduler_state": sched is not None,
+            "scheduler": {
+                "type": run.cfg.scheduler.type if run.cfg.scheduler else None,
+                "last_batch_iteration": lbi,
+            },
+            "warmup_progress": None if lbi is None else lbi + 1,
+            "lr": float(engine.get_lr()[0]),
+            "world_size": dist.world_size(),
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "precision": run.cfg.precision,
+            "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
+            "grad_acc": int(engine.gradient_accumulation_steps()),
+            "train_batch": int(engine.train_batch_size()),
+            "loss_scale": None if scaler is None else float(scaler),
+            "loss": loss,
+            "data": state.to_dict(),
+            "task": run.task.name,
+            "norm_stats": {"mean": prog.norm_mean, "std": prog.norm_std},
+            "rng_states": ck.RNG_FILE,
+            "versions": manifest.versions(),
+        }
+        faults.maybe(run.fault, "save-before-meta", step)
+        ck.write_meta(tag_dir, meta)
+        faults.maybe(run.fault, "save-before-latest", step)
+        ck.set_latest(run.ckpt_root, tag)
+        ck.retain(run.ckpt_root, run.settings.keep_last)
+    dist.barrier()
+    return tag_dir
+
+
+def loader_state(run: StageRun, prog: Progress) -> LoaderState:
+    return LoaderState(run.seed, prog.samples_consumed, run.task.fingerprint, len(run.task.train))
+
+
+def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarray]]:
+    """The pre-normalization pass: statistics over the training data, once."""
+    mean, std = normalization_stats(run.task.train.x)
+    return Progress(0, 0, mean.tolist(), std.tolist()), (mean, std)
+
+
+def sync_lr(engine: Any) -> list[Finding]:
+    """DeepSpeed's scheduler load sets last_batch_iteration but not the optimizer's lr
+    (FACTS.md): make the optimizer run at the scheduler's LR for the restored iteration."""
+    sched = engine.lr_scheduler
+    if sched is None:
+        return []
+    want = sched.get_lr()
+    groups = engine.optimizer.param_groups
+    have = [g["lr"] for g in groups]
+    if all(math.isclose(h, w, rel_tol=1e-9, abs_tol=1e-15) for h, w in zip(have, want)):
+        return [Finding("lr-sync", "ok", f"optimizer lr {have[0]:.3g} matches the scheduler")]
+    for g, w in zip(groups, want):
+        g["lr"] = w
+    return [
+        Finding(
+            "lr-sync",
+            "warn",
+            f"DeepSpeed left the optimizer lr at {have[0]:.3g}; set it to the scheduler's"
+            f" {want[0]:.3g} at iteration {sched.last_batch_iteration}",
+        )
+    ]
+
+
+def restore_module_extras(engine: Any, source: Path) -> list[Finding]:
+    """Under a universal load DeepSpeed restores trained weights only: frozen parameters and
+    buffers keep their fresh values (FACTS.md). Copy them from the source checkpoint."""
+    from .ckpt_inspect import safe_load
+
+    states, why = safe_load(source / "mp_rank_00_model_states.pt")
+    if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
+        return [
+            Finding(
+                "restore-extras",
+                "error",
+                f"cannot read module states: {why}",
+                "resume from a complete checkpoint",
+                str(source),
+            )
+        ]
+    saved = states["module"]
+    module = engine.module
+    names = [n for n, p in module.named_parameters() if not p.requires_grad]
+    names += [n for n, _ in module.named_buffers()]
+    restored = 0
+    with torch.no_grad():
+        own = dict(module.named_parameters()) | dict(module.named_buffers())
+        for n in names:
+            if n in saved and saved[n].numel() == own[n].numel() and saved[n].numel() > 0:
+                own[n].copy_(saved[n].to(own[n].dtype).view_as(own[n]))
+                restored += 1
+    return [
+        Finding(
+            "restore-extras",
+            "ok",
+            f"restored {restored} frozen parameter(s)/buffer(s) DeepSpeed's universal load skips",
+        )
+    ]
+
+
+def write_metrics(run: StageRun, rows: list[dict[str, Any]], keep_upto: int | None) -> None:
+    """Append step rows to metrics.csv; on resume drop rows past the restored step first."""
+    path = run.stage_dir / "metrics.csv"
+    cols = ["step", "loss", "lr", "grad_norm", "samples", "step_s", "wall"]
+    old: list[dict[str, str]] = []
+    if keep_upto is not None and path.exists():
+        with open(path, newline="") as fh:
+            old = [r for r in csv.DictReader(fh) if int(r["step"]) <= keep_upto]
+    mode = "w" if keep_upto is not None or not path.exists() else "a"
+    with open(path, mode, newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols)
+        if mode == "w":
+            w.writeheader()
+            w.writerows(old)
+        w.writerows(rows)
+
+
+def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
+    """Train until the stage's step budget; save every ``save_interval`` and at the end."""
+    rank, world = dist.rank(), dist.world_size()
+    mb = int(engine.train_micro_batch_size_per_gpu())
+    gas = int(engine.gradient_accumulation_steps())
+    batch = mb * gas * world
+    sampler = GlobalSampler(len(run.task.train), run.seed)
+    dtype = DTYPES[run.cfg.precision]
+    x_all = torch.from_numpy(run.task.train.x)
+    y_all = torch.from_numpy(run.task.train.y)
+    end = prog.stage_start_step + run.steps
+    rows: list[dict[str, Any]] = []
+    first = int(engine.global_steps)
+    write_metrics(run, [], keep_upto=first) if dist.is_main() else None
+    last_loss: float | None = None
+    t_start = time.perf_counter()
+    while int(engine.global_steps) < end:
+        step = int(engine.global_steps)
+        t0 = time.perf_counter()
+        step_start = prog.samples_consumed
+        total = torch.zeros(1)
+        for m in range(gas):
+            idx = sampler.micro_batch(step_start, m, mb, world, rank)
+            x, y = x_all[idx].to(dtype), y_all[idx]
+            torch.manual_seed(_micro_seed(run.seed, step, m, rank))
+            loss = F.cross_entropy(engine(x).float(), y)
+            loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        prog.samples_consumed += batch
+        if dist.active():
+            torch.distributed.all_reduce(total)
+        last_loss = float(total.item()) / (gas * world)
+        done = int(engine.global_steps)
+        grad_norm = engine.get_global_grad_norm()
+        rows.append(
+            {
+                "step": done,
+                "loss": f"{last_loss:.8g}",
+                "lr": f"{engine.get_lr()[0]:.8g}",
+                "grad_norm": "" if grad_norm is None else f"{float(grad_norm):.6g}",
+                "samples": prog.samples_consumed,
+                "step_s": f"{time.perf_counter() - t0:.5f}",
+                "wall": f"{time.time():.3f}",
+            }
+        )
+        if log is not None and (done % run.settings.log_interval == 0 or done == end):
+            log(
+                f"stage {run.stage} step {done}/{end} loss {last_loss:.4f}"
+                f" lr {engine.get_lr()[0]:.3g} samples {prog.samples_consumed}"
+            )
+        faults.maybe(run.fault, "step", done, rank)
+        if done % run.settings.save_interval == 0 or done >= end:
+            if dist.is_main():
+                write_metrics(run, rows, keep_upto=None)
+            rows = []
+            tag_dir = save(run, engine, prog, last_loss)
+            if log is not None:
+                log(f"checkpoint {tag_dir} complete (sha256 verified metadata written last)")
+    if rows and dist.is_main():
+        write_metrics(run, rows, keep_upto=None)
+    elapsed = time.perf_counter() - t_start
+    return {
+        "steps": int(engine.global_steps) - first,
+        "final_loss": last_loss,
+        "global_step": int(engine.global_steps),
+        "seconds": round(elapsed, 3),
+        "checkpoint": str(run.ckpt_root / ck.tag_for(int(engine.global_steps))),
+    }
+
+
+def read_losses(stage_dir: Path) -> dict[int, float]:
+    with open(stage_dir / "metrics.csv", newline="") as fh:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(fh)}
+
+
+def dump_json(path: Path, obj: Any) -> None:
+    ck.atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))

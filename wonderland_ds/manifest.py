@@ -1,0 +1,62 @@
+"""The run directory's manifest, ``run.json``: which stages ran, how, and with what outcome.
+
+Fields (documented in the README): ``format``, ``run_dir``, ``created``, ``versions`` and
+``stages`` keyed by stage number (as a string), each with ``name``, ``status`` (``running``,
+``ok``, ``refused``, ``failed``, ``gate-failed``, ``guard-stopped``), ``config``,
+``config_sha256``, ``hostfile``, ``world_size``, ``seed``, ``resumed_from``, ``checkpoint``,
+``steps``, ``final_loss``, ``overrides``, ``started``, ``finished`` and, for stage 17,
+``gate``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import atomic_write_text
+
+NAME = "run.json"
+FORMAT = "wonderland-run/1"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "deepspeed", "pydantic", "wonderland_ds"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def read(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((run_dir / NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def update_stage(run_dir: Path, stage: int, **fields: Any) -> dict[str, Any]:
+    """Merge ``fields`` into the stage's entry; creates the manifest on first use."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = read(run_dir) or {
+        "format": FORMAT,
+        "run_dir": str(run_dir.resolve()),
+        "created": now(),
+        "versions": versions(),
+        "stages": {},
+    }
+    entry = data["stages"].setdefault(str(stage), {})
+    entry.update(fields)
+    atomic_write_text(run_dir / NAME, json.dumps(data, indent=2, sort_keys=True))
+    return data

@@ -1,0 +1,197 @@
+"""Run one stage on this rank: load config, preflight, build, restore, fit or evaluate.
+
+All ranks take the same decisions: rank 0 runs the preflight (and any universal conversion)
+and broadcasts the plan; a refusal exits 2 on every rank before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import distributed as dist
+from . import faults, manifest, preflight, stages, tasks
+from .ds_config import DSConfig, deepspeed_dict, load_json, validate
+from .findings import Finding, Refused, has_errors, render
+from .settings import WonderlandSettings
+from .stage_args import overrides
+
+
+def log(msg: str) -> None:
+    if dist.is_main():
+        print(f"[wonderland] {msg}", flush=True)
+
+
+def load_config(
+    path: str, stage: int, world: int | None
+) -> tuple[dict[str, Any], DSConfig, WonderlandSettings]:
+    raw, found = load_json(path)
+    if raw is None:
+        raise Refused(found)
+    cfg, settings, found = validate(raw, path, world, {stage})
+    if has_errors(found) or cfg is None or settings is None:
+        raise Refused([f for f in found if f.severity == "error"])
+    return raw, cfg, settings
+
+
+def default_run_dir(resume: str | None) -> Path:
+    if resume and resume != "auto":
+        p = Path(resume).resolve()
+        for parent in [p, *p.parents]:
+            if (parent / manifest.NAME).exists():
+                return parent
+    return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def resolve_run_dir(args: argparse.Namespace) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    if args.resume == "auto":
+        raise Refused(
+            "--resume auto needs --run-dir (the run to continue)", "pass --run-dir RUN_DIR"
+        )
+    return default_run_dir(args.resume)
+
+
+def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str, Any]:
+    """Everything decided before launching or training; raises Refused with all findings."""
+    raw, cfg, settings = load_config(args.config, args.stage, world)
+    if args.min_warmup_steps is not None:
+        settings = settings.model_copy(update={"min_warmup_steps": args.min_warmup_steps})
+    seed = settings.seed if args.seed is None else args.seed
+    try:
+        ds_dict = deepspeed_dict(raw, args.grad_acc_steps, world)
+    except ValueError as exc:
+        raise Refused(
+            Finding(
+                "batch-triangle",
+                "error",
+                str(exc),
+                "fix the batch sizes or --grad-acc-steps",
+                args.config,
+            )
+        ) from None
+    task = tasks.load(settings.task)
+    st = stages.get(args.stage)
+    plan = preflight.check(
+        args.stage,
+        args.resume,
+        run_dir,
+        min_warmup=settings.min_warmup_steps,
+        seed=seed,
+        fingerprint=task.fingerprint,
+        world_size=world,
+        zero_stage=cfg.zero_optimization.stage,
+        precision=cfg.precision,
+        overrides=overrides(args),
+    )
+    required = st.preflight or args.optimizer_state or args.scheduler_state
+    if not required:
+        # Outside stage 16 a missing optimizer/scheduler is only refused when asked for.
+        plan.findings = [
+            f
+            if f.rule not in ("ckpt-optimizer-state", "ckpt-scheduler-state")
+            else Finding(f.rule, "warn", f.message, f.fix, f.file, f.path)
+            for f in plan.findings
+        ]
+    if has_errors(plan.findings):
+        raise Refused([f for f in plan.findings if f.severity == "error"])
+    return {
+        "raw": raw,
+        "cfg": cfg,
+        "settings": settings,
+        "seed": seed,
+        "ds_dict": ds_dict,
+        "task": task,
+        "plan": plan,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """The per-rank body of ``train.py`` (distributed is initialised inside)."""
+    # A config refusal is the same on every rank: decide before starting the process group.
+    _, _, settings = load_config(args.config, args.stage, None)
+    dist.init(settings.process_group_timeout_s)
+    world = dist.world_size()
+    run_dir = dist.broadcast(resolve_run_dir(args) if dist.is_main() else None)
+    decided: dict[str, Any] | None = None
+    refusal: list[Finding] | None = None
+    if dist.is_main():
+        try:
+            decided = plan_stage(args, world, run_dir)
+        except Refused as exc:
+            refusal = exc.findings
+    refusal = dist.broadcast(refusal)
+    if refusal:
+        raise Refused(refusal)
+    if not dist.is_main():
+        decided = plan_stage_quiet(args, world, run_dir)
+    assert decided is not None
+    plan = dist.broadcast(decided["plan"])
+    if dist.is_main():
+        render(plan.findings, args.json)
+    st = stages.get(args.stage)
+    fault = faults.parse(args.fault)
+    if dist.is_main():
+        stage_dir = run_dir / f"stage{args.stage}"
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "preflight.json").write_text(json.dumps(plan.to_dict(), indent=2))
+        (stage_dir / "ds_config.json").write_text(json.dumps(decided["ds_dict"], indent=2))
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            name=st.name,
+            status="running",
+            started=manifest.now(),
+            config=str(Path(args.config).resolve()),
+            world_size=world,
+            seed=decided["seed"],
+            resumed_from=str(plan.source) if plan.source else None,
+            overrides=sorted(overrides(args)),
+            finished=None,
+            grad_acc=decided["ds_dict"]["gradient_accumulation_steps"],
+            argv=sys.argv[1:],
+        )
+    try:
+        if st.kind == "train":
+            from .train_stage import train
+
+            result = train(args, run_dir, decided, plan, fault)
+        elif st.kind == "eval":
+            from .evaluate import run_eval
+
+            result = run_eval(args, run_dir, decided, plan)
+        else:
+            from .export import run_export
+
+            result = run_export(args, run_dir, decided, plan)
+    except BaseException as exc:
+        if dist.is_main():
+            status = "gate-failed" if type(exc).__name__ == "GuardStop" else "failed"
+            manifest.update_stage(
+                run_dir, args.stage, status=status, finished=manifest.now(), error=str(exc)[:500]
+            )
+        raise
+    if dist.is_main():
+        manifest.update_stage(run_dir, args.stage, status="ok", finished=manifest.now(), **result)
+        log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
+    return 0
+
+
+def plan_stage_quiet(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str, Any]:
+    """Non-zero ranks need the config and task, not the (already broadcast) preflight."""
+    raw, cfg, settings = load_config(args.config, args.stage, world)
+    seed = settings.seed if args.seed is None else args.seed
+    return {
+        "raw": raw,
+        "cfg": cfg,
+        "settings": settings,
+        "seed": seed,
+        "ds_dict": deepspeed_dict(raw, args.grad_acc_steps, world),
+        "task": tasks.load(settings.task),
+        "plan": None,
+    }

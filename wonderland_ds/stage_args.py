@@ -1,0 +1,108 @@
+"""The flags of a stage, shared by ``wonderland train`` and the per-rank ``train.py``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import faults
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO / "ds_configs" / "cpu_zero2_bf16.json"
+DEFAULT_HOSTFILE = REPO / "hostfiles" / "localhost"
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def stage_number(text: str) -> int:
+    value = positive(text)
+    if value > 18:
+        raise argparse.ArgumentTypeError(f"stage {value} does not exist (stages are 1..18)")
+    return value
+
+
+def fault_spec(text: str) -> str:
+    try:
+        faults.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_stage_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", type=stage_number, required=True, help="stage number (15, 16, 17)")
+    p.add_argument(
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="DeepSpeed JSON config with a 'wonderland' section (default: %(default)s)",
+    )
+    p.add_argument(
+        "--run-dir",
+        help="run directory (default: the run of --resume, else a new runs/run-TIMESTAMP)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="PATH|auto",
+        help="checkpoint to resume (folder, its parent, or 'auto': newest complete)",
+    )
+    p.add_argument(
+        "--optimizer-state",
+        action="store_true",
+        help="require optimizer state in the checkpoint (always required for stage 16)",
+    )
+    p.add_argument(
+        "--scheduler-state",
+        action="store_true",
+        help="require LR-scheduler state in the checkpoint (always for stage 16)",
+    )
+    p.add_argument(
+        "--grad-acc-steps",
+        type=positive,
+        help="override gradient_accumulation_steps; train_batch_size is re-derived",
+    )
+    p.add_argument("--steps", type=positive, help="optimizer steps for this stage")
+    p.add_argument("--seed", type=non_negative, help="override wonderland.seed")
+    p.add_argument(
+        "--min-warmup-steps",
+        type=non_negative,
+        help="override wonderland.min_warmup_steps (stage-16 preflight)",
+    )
+    p.add_argument(
+        "--allow-seed-change",
+        action="store_true",
+        help="accept a data seed different from the checkpoint's (recorded)",
+    )
+    p.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="accept training data different from the checkpoint's (recorded)",
+    )
+    p.add_argument("--baseline", help="stage 17: baseline checkpoint (default: stage 15's newest)")
+    p.add_argument("--fault", type=fault_spec, help="fault injection, see faults.py / README")
+    p.add_argument("--json", action="store_true", help="print the preflight report as JSON")
+
+
+def overrides(args: argparse.Namespace) -> set[str]:
+    return {
+        name
+        for name in ("allow-seed-change", "allow-data-change")
+        if getattr(args, name.replace("-", "_"))
+    }

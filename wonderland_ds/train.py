@@ -1,0 +1,48 @@
+"""Per-rank entry run by the ``deepspeed`` launcher (or ``mpirun``): parse, run, tear down.
+
+deepspeed --hostfile hostfiles/localhost --no_ssh_check wonderland_ds/train.py --stage 16 ...
+mpirun -np 2 python wonderland_ds/train.py --stage 16 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: import the package, not sibling files
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.path.insert(0, os.path.dirname(here))
+
+from wonderland_ds.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
+from wonderland_ds.stage_args import add_stage_flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="wonderland_ds/train.py", description=__doc__)
+    add_stage_flags(parser)
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # passed by the deepspeed launcher
+    args = parser.parse_args(argv)
+    from wonderland_ds import distributed as dist
+    from wonderland_ds import stage
+
+    try:
+        return stage.run(args)
+    except Refused as exc:
+        if dist.is_main():
+            render(exc.findings, False, sys.stderr)
+            print("refused: nothing was trained or written", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except GuardStop as exc:
+        if dist.is_main():
+            render(exc.findings, False, sys.stderr)
+        return EXIT_GUARD
+    finally:
+        dist.teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

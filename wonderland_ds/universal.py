@@ -1,0 +1,94 @@
+"""Universal checkpoints through DeepSpeed's own ``ds_to_universal``: ``wonderland convert``.
+
+The conversion is written to a temporary folder and renamed into place only after it
+succeeded and its files were hashed, so a crash never leaves a half-converted checkpoint that
+looks usable. An existing, verified conversion of the same source is reused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import checkpoint as ck
+from .findings import Finding, Refused
+
+
+def universal_tag(tag: str) -> str:
+    return f"{tag}_universal"
+
+
+def _source_digest(source: Path) -> str:
+    meta = ck.read_meta(source)
+    if meta is not None:
+        return ck.sha256_text(repr(sorted((k, v["sha256"]) for k, v in meta["files"].items())))
+    return ck.sha256_text(repr(sorted((p.name, p.stat().st_size) for p in source.glob("*.pt"))))
+
+
+def convert(source: Path, out_root: Path, workers: int = 1) -> tuple[Path, list[Finding]]:
+    """Convert ``source`` (a global_stepN folder) into ``out_root/global_stepN_universal``."""
+    final = out_root / universal_tag(source.name)
+    digest = _source_digest(source)
+    if final.is_dir():
+        v = ck.verify(final)
+        if v.complete and v.meta and v.meta.get("source_digest") == digest:
+            return final, [Finding("universal", "ok", f"reusing verified conversion {final}")]
+        shutil.rmtree(final)
+    out_root.mkdir(parents=True, exist_ok=True)
+    tmp = out_root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(source),
+        "--output_folder",
+        str(tmp),
+        "--num_extract_workers",
+        str(workers),
+        "--num_merge_workers",
+        str(workers),
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    (out_root / "latest_universal").unlink(missing_ok=True)  # names tmp; we pass tags explicitly
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise Refused(
+            Finding(
+                "universal",
+                "error",
+                f"ds_to_universal failed on {source}: {' | '.join(tail)}",
+                "check the checkpoint with `wonderland inspect`; a checkpoint without"
+                " universal_checkpoint_info needs --inject-missing-state",
+                str(source),
+            )
+        )
+    src_meta = ck.read_meta(source) or {}
+    meta = {k: v for k, v in src_meta.items() if k not in ("files", "format", "tag")}
+    meta.update(
+        {
+            "universal": True,
+            "source": str(source),
+            "source_digest": digest,
+            "conversion_seconds": round(seconds, 3),
+        }
+    )
+    ck.write_meta(tmp, meta)
+    os.replace(tmp, final)
+    ck.fsync_dir(out_root)
+    size = sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+    return final, [
+        Finding(
+            "universal",
+            "ok",
+            f"converted {source.name} -> {final} in {seconds:.1f} s ({size / 1e6:.1f} MB)",
+        )
+    ]
