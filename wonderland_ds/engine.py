@@ -25,9 +25,9 @@ from . import distributed as dist
 from . import faults, manifest
 from .data import GlobalSampler, LoaderState
 from .ds_config import DSConfig
-from .findings import Finding
+from .findings import Finding, Refused
 from .settings import WonderlandSettings
-from .tasks import Task, normalization_stats
+from .tasks import Normalize, Task, normalization_stats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,7 +71,11 @@ def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
     torch.manual_seed(run.seed)
     model = run.task.build_model()
     if norm is not None:
-        model.norm.set_stats(*norm)
+        normalize = getattr(model, "norm", None)
+        if not isinstance(normalize, Normalize):
+            raise Refused(f"task {run.task.name!r}: its model has no .norm Normalize module",
+                          "make the model's first module wonderland_ds.tasks.Normalize as .norm")
+        normalize.set_stats(*norm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=run.ds_dict)
     return engine
@@ -86,7 +90,7 @@ def _micro_seed(seed: int, step: int, micro: int, rank: int) -> int:
 def _rng_states() -> dict[str, Any]:
     return {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state()[1].copy(),
+        "numpy": np.random.get_state(legacy=True)[1].copy(),  # type: ignore[index]
         "python": repr(random.getstate()),
     }
 

@@ -177,7 +177,7 @@ def run_eval(
         task, new, base, settings.eval.recall_drop_margin, settings.eval.minority_recall_floor
     )
     failed = any(f.severity == "error" for f in verdict)
-    report = {
+    report: dict[str, Any] = {
         "checkpoint": str(plan.source),
         "baseline": str(base_dir),
         "stage16": new,

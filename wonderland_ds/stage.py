@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     _, _, settings = load_config(args.config, args.stage, None)
     dist.init(settings.process_group_timeout_s)
     world = dist.world_size()
-    run_dir = dist.broadcast(resolve_run_dir(args) if dist.is_main() else None)
+    run_dir: Path = dist.broadcast(resolve_run_dir(args) if dist.is_main() else Path())
     decided: dict[str, Any] | None = None
     refusal: list[Finding] | None = None
     if dist.is_main():

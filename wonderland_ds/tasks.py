@@ -55,6 +55,9 @@ class Normalize(nn.Module):
     """Input normalization whose statistics are buffers: computed once by stage 15's
     pre-normalization pass, saved with every checkpoint, never trained."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, features: int) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(features))
