@@ -139,10 +139,11 @@ def describe(path: Path, deep: bool = True) -> tuple[dict[str, Any], list[Findin
         else "fp32",
     )
     info.setdefault("world_size", len(optim_files) or states.get("dp_world_size"))
+    # The files are the truth; the metadata only says what the save intended.
     lbi = sched.get("last_batch_iteration") if isinstance(sched, dict) else None
-    info.setdefault("has_scheduler_state", isinstance(sched, dict))
-    info.setdefault("warmup_progress", None if lbi is None else lbi + 1)
-    info.setdefault("has_optimizer_state", bool(optim_files) or bool(states.get("optimizer")))
+    info["has_scheduler_state"] = isinstance(sched, dict)
+    info["warmup_progress"] = None if lbi is None else int(lbi) + 1
+    info["has_optimizer_state"] = bool(optim_files) or bool(states.get("optimizer"))
     client = {k for k in states if k not in _DS_KEYS}
     info["client_state_keys"] = sorted(client)
     info["module_keys"] = len(states.get("module") or {})

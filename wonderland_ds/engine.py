@@ -73,8 +73,10 @@ def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
     if norm is not None:
         normalize = getattr(model, "norm", None)
         if not isinstance(normalize, Normalize):
-            raise Refused(f"task {run.task.name!r}: its model has no .norm Normalize module",
-                          "make the model's first module wonderland_ds.tasks.Normalize as .norm")
+            raise Refused(
+                f"task {run.task.name!r}: its model has no .norm Normalize module",
+                "make the model's first module wonderland_ds.tasks.Normalize as .norm",
+            )
         normalize.set_stats(*norm)
     trainable = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, config=run.ds_dict)

@@ -17,8 +17,10 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is not imported by `wonderland check` (it must stay fast)
+    import torch
 
 KINDS = ("kill", "nan")
 POINTS = ("step", "save-after-shards", "save-before-meta", "save-before-latest")
