@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .stage import plan_stage, resolve_run_dir
 
     hf = _hostfile(args.hostfile)
-    world = args.nproc or hf.world_size
+    world = args.nproc * len(hf.hosts) if args.nproc else hf.world_size
     run_dir = resolve_run_dir(args)
     decided = plan_stage(args, world, run_dir)
     cmd, env, notes = launch.build(

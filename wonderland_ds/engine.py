@@ -83,10 +83,11 @@ def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
     return engine
 
 
-def _micro_seed(seed: int, step: int, micro: int, rank: int) -> int:
-    # Dropout noise is a function of the sample's place in the run, not of history: a resumed
-    # run draws exactly what the uninterrupted run drew.
-    return (seed * 1_000_003 + step * 10_007 + micro * 101 + rank) % (2**63)
+def _micro_seed(seed: int, position: int) -> int:
+    # Dropout noise is a function of the micro-batch's place in the sample stream, not of
+    # history, rank or micro-step: a resumed run, or one on another world size with the same
+    # micro batch, draws exactly the noise the original run drew for the same samples.
+    return (seed * 1_000_003 + position) % (2**63)
 
 
 def _rng_states() -> dict[str, Any]:
@@ -277,7 +278,7 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
         for m in range(gas):
             idx = sampler.micro_batch(step_start, m, mb, world, rank)
             x, y = x_all[idx].to(dtype), y_all[idx]
-            torch.manual_seed(_micro_seed(run.seed, step, m, rank))
+            torch.manual_seed(_micro_seed(run.seed, step_start + (m * world + rank) * mb))
             loss = F.cross_entropy(engine(x).float(), y)
             loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
             engine.backward(loss)
