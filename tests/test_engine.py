@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.util import REPO, losses, wonderland
 
@@ -159,18 +160,22 @@ def test_topology_change_through_universal_checkpoint(
     assert sorted(got) == list(range(41, 51))
     diff = max(abs(want[s] - got[s]) for s in want)
     assert diff < 1e-4, diff
-    last15 = losses(reference / "stage15")[40]
-    assert abs(got[41] - last15) < 0.5 * last15  # no jump at the stage boundary
+    # No jump at the boundary: the first 5 stage-16 losses average under 1.5x the last 5 of
+    # stage 15 (a fresh start would be back at ~2.3, about 10x).
+    l15 = losses(reference / "stage15")
+    before = sum(l15[s] for s in range(36, 41)) / 5
+    after = sum(got[s] for s in range(41, 46)) / 5
+    assert after < 1.5 * before, (before, after)
 
 
-def test_pipeline_15_16_17_bf16(tmp_path):
+def test_pipeline_15_to_18_bf16(tmp_path):
     run = tmp_path / "run"
     result = wonderland(
         "pipeline",
         "--from",
         "15",
         "--to",
-        "17",
+        "18",
         "--config",
         TINY16,
         "--run-dir",
@@ -186,6 +191,7 @@ def test_pipeline_15_16_17_bf16(tmp_path):
         "15": "ok",
         "16": "ok",
         "17": "ok",
+        "18": "ok",
     }
     assert data["gate"] == "pass"
     report = json.loads((run / "stage17" / "report.json").read_text())
@@ -193,3 +199,7 @@ def test_pipeline_15_16_17_bf16(tmp_path):
     assert sum(r["support"] for r in report["stage16"]["per_class"]) == 367
     m = meta(run / "stage16" / "checkpoints" / "global_step80")
     assert m["precision"] == "bf16" and m["stage"] == 16
+    export = json.loads((run / "stage18" / "export.json").read_text())
+    state = torch.load(run / "stage18" / "model.pt", weights_only=True)
+    assert export["source"].endswith("stage16/checkpoints/global_step80")
+    assert "norm.mean" in state and "proj.weight" in state  # buffers and frozen weights too
