@@ -203,10 +203,14 @@ def sync_lr(engine: Any) -> list[Finding]:
 
 def restore_module_extras(engine: Any, source: Path) -> list[Finding]:
     """Under a universal load DeepSpeed restores trained weights only: frozen parameters and
-    buffers keep their fresh values (FACTS.md). Copy them from the source checkpoint."""
+    buffers keep their fresh values (FACTS.md). Copy them from the source checkpoint's module
+    states (``mp_rank_00_model_states.pt``, or rank 0's file under ZeRO-3)."""
     from .ckpt_inspect import safe_load
 
-    states, why = safe_load(source / "mp_rank_00_model_states.pt")
+    files = sorted(source.glob("mp_rank_00_model_states.pt")) or sorted(
+        source.glob("zero_pp_rank_0_mp_rank_*_model_states.pt")
+    )
+    states, why = safe_load(files[0]) if files else (None, "no model states file")
     if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
         return [
             Finding(
@@ -221,20 +225,35 @@ def restore_module_extras(engine: Any, source: Path) -> list[Finding]:
     module = engine.module
     names = [n for n, p in module.named_parameters() if not p.requires_grad]
     names += [n for n, _ in module.named_buffers()]
-    restored = 0
+    restored, skipped = 0, []
     with torch.no_grad():
         own = dict(module.named_parameters()) | dict(module.named_buffers())
         for n in names:
             if n in saved and saved[n].numel() == own[n].numel() and saved[n].numel() > 0:
                 own[n].copy_(saved[n].to(own[n].dtype).view_as(own[n]))
                 restored += 1
-    return [
+            else:
+                skipped.append(n)
+    out = [
         Finding(
             "restore-extras",
             "ok",
             f"restored {restored} frozen parameter(s)/buffer(s) DeepSpeed's universal load skips",
         )
     ]
+    if skipped:
+        # ZeRO-3 partitions frozen parameters too (frozen_param_fragments, one slice per rank):
+        # they keep the model's initial values. Say so rather than pretend.
+        out.append(
+            Finding(
+                "restore-extras",
+                "warn",
+                f"not restored (partitioned under ZeRO-3 or absent): {skipped[:5]}",
+                "make frozen parameters deterministic at init, or use ZeRO-1/2",
+                str(source),
+            )
+        )
+    return out
 
 
 def write_metrics(run: StageRun, rows: list[dict[str, Any]], keep_upto: int | None) -> None:
