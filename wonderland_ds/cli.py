@@ -46,6 +46,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_REFUSED if has_errors(findings) else EXIT_OK
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import cache, tasks
+
+    task = tasks.load(args.source).materialize()
+    index, found = cache.write(task, Path(args.out))
+    if args.json:
+        summary = {k: index[k] for k in ("task", "fingerprint", "rows")}
+        print(json.dumps({**summary, "path": str(Path(args.out).resolve()),
+                          "shards": sum(len(v) for v in index["splits"].values())}, indent=2))
+    else:
+        render(found, False)
+        print(f"fingerprint {index['fingerprint']}")
+    return EXIT_OK
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -77,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", type=_stage, help="apply the rules for this stage (e.g. 16)")
     p.add_argument("--json", action="store_true", help="print findings as a JSON list")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("cache", help="write a dataset once as verified tensor shards")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a built-in task (digits, pylm) or module:function returning a Task")
+    p.add_argument("--out", required=True, help="cache folder (created; never overwritten)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cache)
 
     from . import commands
 

@@ -18,12 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import checkpoint as ck
 from . import distributed as dist
 from . import faults, manifest
-from .data import GlobalSampler, LoaderState
+from .data import GlobalSampler, LoaderState, Prefetcher
 from .ds_config import DSConfig
 from .findings import Finding, Refused
 from .settings import WonderlandSettings
@@ -169,12 +168,17 @@ def save(run: StageRun, engine: Any, prog: Progress, loss: float | None) -> Path
 
 
 def loader_state(run: StageRun, prog: Progress) -> LoaderState:
+    assert run.task.train is not None
     return LoaderState(run.seed, prog.samples_consumed, run.task.fingerprint, len(run.task.train))
 
 
-def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarray]]:
-    """The pre-normalization pass: statistics over the training data, once."""
-    mean, std = normalization_stats(run.task.train.x)
+def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarray] | None]:
+    """The pre-normalization pass: statistics over the cached training data, once (tasks
+    without input normalization, such as the byte-level LM, skip it)."""
+    assert run.task.train is not None
+    if not run.task.normalize:
+        return Progress(0, 0, [], []), None
+    mean, std = normalization_stats(np.asarray(run.task.train.x))
     return Progress(0, 0, mean.tolist(), std.tolist()), (mean, std)
 
 
@@ -259,7 +263,17 @@ def restore_module_extras(engine: Any, source: Path) -> list[Finding]:
 def write_metrics(run: StageRun, rows: list[dict[str, Any]], keep_upto: int | None) -> None:
     """Append step rows to metrics.csv; on resume drop rows past the restored step first."""
     path = run.stage_dir / "metrics.csv"
-    cols = ["step", "loss", "lr", "grad_norm", "samples", "step_s", "wall"]
+    cols = [
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "samples",
+        "sample_digest",
+        "step_s",
+        "data_wait_s",
+        "wall",
+    ]
     old: list[dict[str, str]] = []
     if keep_upto is not None and path.exists():
         with open(path, newline="") as fh:
@@ -279,60 +293,81 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
     mb = int(engine.train_micro_batch_size_per_gpu())
     gas = int(engine.gradient_accumulation_steps())
     batch = mb * gas * world
-    sampler = GlobalSampler(len(run.task.train), run.seed)
-    dtype = DTYPES[run.cfg.precision]
-    x_all = torch.from_numpy(run.task.train.x)
-    y_all = torch.from_numpy(run.task.train.y)
+    train = run.task.train
+    assert train is not None
     end = prog.stage_start_step + run.steps
-    rows: list[dict[str, Any]] = []
     first = int(engine.global_steps)
-    write_metrics(run, [], keep_upto=first) if dist.is_main() else None
+    loader = Prefetcher(
+        train.x,
+        train.y,
+        GlobalSampler(len(train), run.seed),
+        prog.samples_consumed,
+        mb,
+        gas,
+        world,
+        rank,
+        end - first,
+        x_dtype=DTYPES[run.cfg.precision],
+    )
+    if dist.is_main():
+        write_metrics(run, [], keep_upto=first)
+    rows: list[dict[str, Any]] = []
     last_loss: float | None = None
     t_start = time.perf_counter()
-    while int(engine.global_steps) < end:
-        step = int(engine.global_steps)
-        t0 = time.perf_counter()
-        step_start = prog.samples_consumed
-        total = torch.zeros(1)
-        for m in range(gas):
-            idx = sampler.micro_batch(step_start, m, mb, world, rank)
-            x, y = x_all[idx].to(dtype), y_all[idx]
-            torch.manual_seed(_micro_seed(run.seed, step_start + (m * world + rank) * mb))
-            loss = F.cross_entropy(engine(x).float(), y)
-            loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        prog.samples_consumed += batch
-        if dist.active():
-            torch.distributed.all_reduce(total)
-        last_loss = float(total.item()) / (gas * world)
-        done = int(engine.global_steps)
-        grad_norm = engine.get_global_grad_norm()
-        rows.append(
-            {
-                "step": done,
-                "loss": f"{last_loss:.8g}",
-                "lr": f"{engine.get_lr()[0]:.8g}",
-                "grad_norm": "" if grad_norm is None else f"{float(grad_norm):.6g}",
-                "samples": prog.samples_consumed,
-                "step_s": f"{time.perf_counter() - t0:.5f}",
-                "wall": f"{time.time():.3f}",
-            }
-        )
-        if log is not None and (done % run.settings.log_interval == 0 or done == end):
-            log(
-                f"stage {run.stage} step {done}/{end} loss {last_loss:.4f}"
-                f" lr {engine.get_lr()[0]:.3g} samples {prog.samples_consumed}"
+    wait_total = step_total = 0.0
+    try:
+        while int(engine.global_steps) < end:
+            step = int(engine.global_steps)
+            t0, wait0 = time.perf_counter(), loader.wait_s
+            # [loss sum, sample digest]: one small all-reduce a step for both.
+            total = torch.zeros(2, dtype=torch.float64)
+            for _ in range(gas):
+                mbatch = loader.next()
+                torch.manual_seed(_micro_seed(run.seed, mbatch.position))
+                out = engine(mbatch.x.to(engine.device))
+                loss = run.task.loss(out, mbatch.y.to(engine.device))
+                loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
+                engine.backward(loss)
+                engine.step()
+                total[0] += float(loss.detach())
+                total[1] += mbatch.digest
+            prog.samples_consumed += batch
+            if dist.active():
+                torch.distributed.all_reduce(total)
+            last_loss = float(total[0]) / (gas * world)
+            done = int(engine.global_steps)
+            grad_norm = engine.get_global_grad_norm()
+            step_s, wait_s = time.perf_counter() - t0, loader.wait_s - wait0
+            step_total, wait_total = step_total + step_s, wait_total + wait_s
+            rows.append(
+                {
+                    "step": done,
+                    "loss": f"{last_loss:.8g}",
+                    "lr": f"{engine.get_lr()[0]:.8g}",
+                    "grad_norm": "" if grad_norm is None else f"{float(grad_norm):.6g}",
+                    "samples": prog.samples_consumed,
+                    "sample_digest": int(total[1]),
+                    "step_s": f"{step_s:.5f}",
+                    "data_wait_s": f"{wait_s:.6f}",
+                    "wall": f"{time.time():.3f}",
+                }
             )
-        faults.maybe(run.fault, "step", done, rank)
-        if done % run.settings.save_interval == 0 or done >= end:
-            if dist.is_main():
-                write_metrics(run, rows, keep_upto=None)
-            rows = []
-            tag_dir = save(run, engine, prog, last_loss)
-            if log is not None:
-                log(f"checkpoint {tag_dir} complete (sha256 verified metadata written last)")
+            if log is not None and (done % run.settings.log_interval == 0 or done == end):
+                log(
+                    f"stage {run.stage} step {done}/{end} loss {last_loss:.4f}"
+                    f" lr {engine.get_lr()[0]:.3g} samples {prog.samples_consumed}"
+                    f" data-stall {100 * wait_total / max(step_total, 1e-9):.2f}%"
+                )
+            faults.maybe(run.fault, "step", done, rank)
+            if done % run.settings.save_interval == 0 or done >= end:
+                if dist.is_main():
+                    write_metrics(run, rows, keep_upto=None)
+                rows = []
+                tag_dir = save(run, engine, prog, last_loss)
+                if log is not None:
+                    log(f"checkpoint {tag_dir} complete (sha256 verified metadata written last)")
+    finally:
+        loader.close()
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
     elapsed = time.perf_counter() - t_start
@@ -341,6 +376,7 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
         "final_loss": last_loss,
         "global_step": int(engine.global_steps),
         "seconds": round(elapsed, 3),
+        "data_stall_fraction": round(wait_total / max(step_total, 1e-9), 6),
         "checkpoint": str(run.ckpt_root / ck.tag_for(int(engine.global_steps))),
     }
 

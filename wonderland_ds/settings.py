@@ -28,6 +28,8 @@ class WonderlandSettings(_Strict):
 
     task: str = "digits"
     """Built-in task name (``digits``) or ``module:function`` returning a Task."""
+    cache: str | None = None
+    """Dataset cache made by ``wonderland cache`` (default: RUN_DIR/cache/TASK, built once)."""
     seed: int = Field(1234, ge=0)
     """Data-order and initialisation seed; stage 16 must use stage 15's (preflight)."""
     train_steps: int = Field(100, ge=1)

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import distributed as dist
 from . import faults, manifest, preflight, stages, tasks
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
@@ -57,6 +59,34 @@ def resolve_run_dir(args: argparse.Namespace) -> Path:
     return default_run_dir(args.resume)
 
 
+def _task_data(
+    args: argparse.Namespace, settings: WonderlandSettings, run_dir: Path, check_stale: bool
+) -> tuple[tasks.Task, Path]:
+    """The task with its data: from its cache when one exists (verified), else raw in memory
+    (the caller writes the cache once the preflight passed)."""
+    from . import cache
+
+    spec = getattr(args, "task", None) or settings.task
+    task = tasks.load(spec)
+    if settings.cache:
+        return cache.open_task(task, Path(settings.cache)), Path(settings.cache)
+    cache_dir = run_dir / "cache" / task.name
+    if cache.read_index(cache_dir) is not None:
+        opened = cache.open_task(task, cache_dir)
+        if check_stale and task.materialize().fingerprint != opened.fingerprint:
+            raise Refused(
+                Finding(
+                    "cache-stale",
+                    "error",
+                    f"the run's cache {cache_dir} holds other data than task {spec!r} now produces",
+                    "use a new --run-dir, or point wonderland.cache at the cache you mean",
+                    str(cache_dir),
+                )
+            )
+        return opened, cache_dir
+    return task.materialize(), cache_dir
+
+
 def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str, Any]:
     """Everything decided before launching or training; raises Refused with all findings."""
     raw, cfg, settings = load_config(args.config, args.stage, world)
@@ -75,7 +105,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
                 args.config,
             )
         ) from None
-    task = tasks.load(settings.task)
+    task, cache_dir = _task_data(args, settings, run_dir, check_stale=True)
     st = stages.get(args.stage)
     plan = preflight.check(
         args.stage,
@@ -100,6 +130,12 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
         ]
     if has_errors(plan.findings):
         raise Refused([f for f in plan.findings if f.severity == "error"])
+    if task.train is not None and not isinstance(task.train.x, np.memmap):
+        # Preflight passed: now (and only now) write the cache; training reads nothing else.
+        from . import cache
+
+        cache.write(task, cache_dir)
+        task = cache.open_task(task, cache_dir)
     return {
         "raw": raw,
         "cfg": cfg,
@@ -192,6 +228,6 @@ def plan_stage_quiet(args: argparse.Namespace, world: int, run_dir: Path) -> dic
         "settings": settings,
         "seed": seed,
         "ds_dict": deepspeed_dict(raw, args.grad_acc_steps, world),
-        "task": tasks.load(settings.task),
+        "task": _task_data(args, settings, run_dir, check_stale=False)[0],
         "plan": None,
     }

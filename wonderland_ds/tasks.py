@@ -1,31 +1,45 @@
 """Tasks: a model, its data splits and its loss, behind one small typed interface.
 
-A user task is any ``module:function`` returning a :class:`Task` (``"task"`` in the config's
-``wonderland`` section). The built-in ``digits`` task is scikit-learn's handwritten digits
-(shipped inside scikit-learn, nothing is downloaded) with classes 3 and 8 cut to a minority
-share, so that stage 17's per-class sweep has minority classes to watch.
+A user task is any ``module:function`` returning a :class:`Task` (``wonderland.task`` in the
+config, or ``--task``). Built-in tasks use data that ships with installed packages, nothing is
+downloaded:
+
+* ``digits``: scikit-learn's handwritten digits with classes 3 and 8 cut to a minority share,
+  so that stage 17's per-class sweep has minority classes to watch (the default).
+* ``pylm``: a byte-level language model (a small GPT) over the Python standard library's own
+  source files, for throughput benchmarks; held-out text is whole files, tagged by package.
+
+Training never reads ``make_splits`` directly: the splits are written once to a cache of
+tensor shards (``cache.py``) and every stage reads the memory-mapped cache.
 """
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import importlib
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .findings import Refused
+from .models import ByteGPT, DigitsNet, Normalize
+
+__all__ = ["Normalize", "Split", "Task", "digits", "pylm", "load", "normalization_stats"]
 
 
 @dataclass(frozen=True)
 class Split:
     x: np.ndarray
-    """float32 features, one row per sample."""
+    """Model inputs, one row per sample (float32 features, or int64 tokens)."""
     y: np.ndarray
-    """int64 class labels."""
+    """int64 targets: a class per row, or a next token per position."""
 
     def __len__(self) -> int:
         return len(self.y)
@@ -34,42 +48,54 @@ class Split:
 @dataclass(frozen=True)
 class Task:
     name: str
-    train: Split
-    heldout: Split
     num_classes: int
     build_model: Callable[[], nn.Module]
-    """A fresh model whose first module is a :class:`Normalize` (stage 15 fills its stats)."""
+    """A fresh model. With ``normalize``, its ``.norm`` is a :class:`Normalize` that stage 15's
+    pre-normalization pass fills."""
+    make_splits: Callable[[], tuple[Split, Split]] | None = None
+    """Produces (train, held-out) from the raw source; only the cache writer calls it."""
+    kind: Literal["classify", "lm"] = "classify"
+    normalize: bool = True
     minority_classes: tuple[int, ...] = ()
-    class_names: tuple[str, ...] = field(default_factory=tuple)
+    class_names: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Task facts that travel with the cache (e.g. the source of each held-out row)."""
+    train: Split | None = None
+    heldout: Split | None = None
+    fingerprint_value: str | None = None
 
     @property
     def fingerprint(self) -> str:
         """sha256 of the task name and its training data: stage 16 must see stage 15's."""
-        h = hashlib.sha256(self.name.encode())
-        h.update(np.ascontiguousarray(self.train.x).tobytes())
-        h.update(np.ascontiguousarray(self.train.y).tobytes())
-        return h.hexdigest()
+        if self.fingerprint_value is None:
+            raise RuntimeError("task data not loaded")
+        return self.fingerprint_value
 
+    def with_data(self, train: Split, heldout: Split, fingerprint: str) -> Task:
+        return dataclasses.replace(
+            self, train=train, heldout=heldout, fingerprint_value=fingerprint
+        )
 
-class Normalize(nn.Module):
-    """Input normalization whose statistics are buffers: computed once by stage 15's
-    pre-normalization pass, saved with every checkpoint, never trained."""
+    def materialize(self) -> Task:
+        """The task with its raw splits loaded (in memory, not from the cache)."""
+        if self.train is not None and self.heldout is not None:
+            if self.fingerprint_value is not None:
+                return self
+            from .cache import fingerprint
 
-    mean: torch.Tensor
-    std: torch.Tensor
+            return self.with_data(self.train, self.heldout, fingerprint(self.train, self.name))
+        if self.make_splits is None:
+            raise Refused(f"task {self.name!r} has no data source", "give it make_splits")
+        from .cache import fingerprint
 
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(features))
-        self.register_buffer("std", torch.ones(features))
+        train, heldout = self.make_splits()
+        return self.with_data(train, heldout, fingerprint(train, self.name))
 
-    def set_stats(self, mean: np.ndarray, std: np.ndarray) -> None:
-        with torch.no_grad():
-            self.mean.copy_(torch.as_tensor(mean, dtype=self.mean.dtype))
-            self.std.copy_(torch.as_tensor(std, dtype=self.std.dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean.to(x.dtype)) / self.std.to(x.dtype)
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = out.float()
+        if self.kind == "lm":
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return F.cross_entropy(out, y)
 
 
 def normalization_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,29 +104,7 @@ def normalization_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean.astype(np.float32), np.where(std < 1e-3, 1.0, std).astype(np.float32)
 
 
-class DigitsNet(nn.Module):
-    """An MLP with a frozen random projection (a pretrained feature layer stand-in: it shows
-    that frozen parameters survive a universal-checkpoint resume)."""
-
-    def __init__(self, features: int = 64, hidden: int = 128, classes: int = 10) -> None:
-        super().__init__()
-        self.norm = Normalize(features)
-        gen = torch.Generator().manual_seed(7)
-        self.proj = nn.Linear(features, features)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(features, features, generator=gen) / features**0.5)
-            self.proj.bias.zero_()
-        self.proj.requires_grad_(False)
-        self.body = nn.Sequential(
-            nn.Linear(2 * features, hidden), nn.ReLU(), nn.Dropout(0.1), nn.Linear(hidden, classes)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        z = self.norm(x)
-        return self.body(torch.cat([z, torch.tanh(self.proj(z))], dim=-1))
-
-
-def digits(minority: tuple[int, ...] = (3, 8), share: float = 0.12) -> Task:
+def _digits_splits(minority: tuple[int, ...], share: float) -> tuple[Split, Split]:
     from sklearn.datasets import load_digits
 
     data = load_digits()
@@ -109,25 +113,82 @@ def digits(minority: tuple[int, ...] = (3, 8), share: float = 0.12) -> Task:
     keep = np.ones(len(y), dtype=bool)
     for c in minority:
         idx = np.flatnonzero(y == c)
-        drop = rng.permutation(idx)[int(round(len(idx) * share)) :]
-        keep[drop] = False
+        keep[rng.permutation(idx)[int(round(len(idx) * share)) :]] = False
     x, y = x[keep], y[keep]
     heldout = np.zeros(len(y), dtype=bool)
     for c in range(10):  # stratified 25% held out
         idx = rng.permutation(np.flatnonzero(y == c))
         heldout[idx[: max(1, len(idx) // 4)]] = True
+    return Split(x[~heldout], y[~heldout]), Split(x[heldout], y[heldout])
+
+
+def digits(minority: tuple[int, ...] = (3, 8), share: float = 0.12) -> Task:
     return Task(
         name="digits",
-        train=Split(x[~heldout], y[~heldout]),
-        heldout=Split(x[heldout], y[heldout]),
         num_classes=10,
         build_model=DigitsNet,
+        make_splits=lambda: _digits_splits(minority, share),
         minority_classes=minority,
         class_names=tuple(str(c) for c in range(10)),
     )
 
 
-BUILTIN: dict[str, Callable[[], Task]] = {"digits": digits}
+PYLM_CONTEXT = 128
+PYLM_BYTES = 3_000_000
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts[len(root.parts) :]
+    )
+    return files
+
+
+def _pylm_splits(meta: dict[str, Any]) -> tuple[Split, Split]:
+    """Every 10th file is held out; sequences of 128 bytes predict the next byte."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train_chunks, held_chunks, sources = [], [], []
+    total = 0
+    for i, path in enumerate(_stdlib_files()):
+        data = np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.int64)
+        n = (len(data) - 1) // PYLM_CONTEXT
+        if n == 0:
+            continue
+        seq = np.lib.stride_tricks.sliding_window_view(data, PYLM_CONTEXT + 1)[::PYLM_CONTEXT][:n]
+        if i % 10 == 0:
+            held_chunks.append(seq)
+            package = path.relative_to(root).parts[0].removesuffix(".py")
+            sources += [package] * len(seq)
+        else:
+            train_chunks.append(seq)
+        total += len(data)
+        if total > PYLM_BYTES:
+            break
+    train, held = np.concatenate(train_chunks), np.concatenate(held_chunks)
+    meta["heldout_sources"] = sources
+    return (
+        Split(np.ascontiguousarray(train[:, :-1]), np.ascontiguousarray(train[:, 1:])),
+        Split(np.ascontiguousarray(held[:, :-1]), np.ascontiguousarray(held[:, 1:])),
+    )
+
+
+def pylm(dim: int = 128, layers: int = 4) -> Task:
+    meta: dict[str, Any] = {}
+    return Task(
+        name="pylm",
+        num_classes=256,
+        kind="lm",
+        normalize=False,
+        build_model=lambda: ByteGPT(PYLM_CONTEXT, dim, layers),
+        make_splits=lambda: _pylm_splits(meta),
+        meta=meta,
+    )
+
+
+BUILTIN: dict[str, Callable[[], Task]] = {"digits": digits, "pylm": pylm}
 
 
 def load(spec: str) -> Task:

@@ -12,7 +12,7 @@ import torch
 from . import distributed as dist
 from . import faults
 from .engine import Progress, StageRun, build, fit, fresh_progress, restore_module_extras, sync_lr
-from .findings import Finding, Refused, render
+from .findings import Finding, Refused, has_errors, render
 from .preflight import Plan
 from .stage import log
 
@@ -58,16 +58,26 @@ def train(
     )
     if plan.source is None:
         prog, norm = fresh_progress(run)
-        log(
-            f"stage {args.stage}: fresh start; pre-normalization statistics over"
-            f" {len(run.task.train)} samples"
-        )
+        what = "pre-normalization statistics over" if norm is not None else "no normalization,"
+        log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} cached samples")
         engine = build(run, norm)
         return fit(run, engine, prog, log)
 
     info = plan.source_info
     stats = info.get("norm_stats") or {}
-    norm = (np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32))
+    norm = None
+    if run.task.normalize:
+        if not stats.get("mean"):
+            raise Refused(
+                Finding(
+                    "norm-stats",
+                    "error",
+                    "the checkpoint carries no normalization statistics",
+                    "resume a checkpoint written by a wonderland stage",
+                    str(plan.source),
+                )
+            )
+        norm = (np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32))
     load_dir, tag = plan.source.parent, plan.source.name
     if plan.universal:
         uni = _universal_source(plan, run_dir, args.stage)
@@ -93,19 +103,20 @@ def train(
     found = sync_lr(engine)
     if plan.universal:
         found += restore_module_extras(engine, plan.source)
-    norm_ok = torch.allclose(engine.module.norm.mean.float(), torch.from_numpy(norm[0]))
-    found.append(
-        Finding(
-            "norm-stats",
-            "ok" if norm_ok else "error",
-            "normalization statistics match stage 15's pre-normalization pass"
-            if norm_ok
-            else "normalization statistics differ from the checkpoint's",
+    if norm is not None:
+        norm_ok = torch.allclose(engine.module.norm.mean.float(), torch.from_numpy(norm[0]))
+        found.append(
+            Finding(
+                "norm-stats",
+                "ok" if norm_ok else "error",
+                "normalization statistics match stage 15's pre-normalization pass"
+                if norm_ok
+                else "normalization statistics differ from the checkpoint's",
+            )
         )
-    )
     if dist.is_main():
         render(found, False)
-    if not norm_ok:
+    if has_errors(found):
         raise Refused([f for f in found if f.severity == "error"])
     data = info["data"]
     step = int(engine.global_steps)
@@ -117,8 +128,8 @@ def train(
     prog = Progress(
         samples_consumed=int(data["samples_consumed"]),
         stage_start_step=int(info.get("stage_start_step", 0)) if plan.continuing else step,
-        norm_mean=list(stats["mean"]),
-        norm_std=list(stats["std"]),
+        norm_mean=list(stats.get("mean") or []),
+        norm_std=list(stats.get("std") or []),
     )
     log(
         f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"

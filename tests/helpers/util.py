@@ -36,3 +36,11 @@ def losses(stage_dir: Path) -> dict[int, float]:
 
     with open(stage_dir / "metrics.csv", newline="") as fh:
         return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(fh)}
+
+
+def digests(stage_dir: Path) -> dict[int, int]:
+    """Per step, the digest of the sample indices the ranks really consumed (all-reduced)."""
+    import csv
+
+    with open(stage_dir / "metrics.csv", newline="") as fh:
+        return {int(r["step"]): int(r["sample_digest"]) for r in csv.DictReader(fh)}

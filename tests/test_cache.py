@@ -1,0 +1,109 @@
+"""The dataset cache (`wonderland cache`): written once, verified, refused when damaged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from wonderland_ds import cache, cli, tasks
+from wonderland_ds.findings import Refused
+
+
+@pytest.fixture(scope="module")
+def digits_task():
+    return tasks.digits().materialize()
+
+
+@pytest.fixture
+def built(tmp_path, digits_task) -> Path:
+    out = tmp_path / "cache"
+    cache.write(digits_task, out)
+    return out
+
+
+def test_write_then_open_round_trips_memory_mapped(built, digits_task):
+    opened = cache.open_task(tasks.digits(), built)
+    assert isinstance(opened.train.x, np.memmap)
+    assert np.array_equal(opened.train.x, digits_task.train.x)
+    assert np.array_equal(opened.heldout.y, digits_task.heldout.y)
+    assert opened.fingerprint == digits_task.fingerprint
+    index = json.loads((built / "index.json").read_text())
+    assert index["rows"] == {"train": 1116, "heldout": 367}
+    assert all(len(s["x"]["sha256"]) == 64 for s in index["splits"]["train"])
+
+
+def test_writing_the_same_dataset_again_is_a_no_op(built, digits_task):
+    before = {p: p.stat().st_mtime_ns for p in built.rglob("*")}
+    _, found = cache.write(digits_task, built)
+    assert "nothing to do" in found[0].message
+    assert {p: p.stat().st_mtime_ns for p in built.rglob("*")} == before
+
+
+def test_a_different_dataset_is_refused_not_overwritten(built):
+    other = tasks.digits(minority=(1,)).materialize()
+    with pytest.raises(Refused, match="already holds a different dataset"):
+        cache.write(other, built)
+
+
+def test_half_written_cache_is_never_complete(built, tmp_path, digits_task):
+    (built / "index.json").unlink()  # what a crash before the last write leaves
+    index, found = cache.verify(built)
+    assert index is None and "incomplete" in found[0].message
+    with pytest.raises(Refused, match="not a complete wonderland cache"):
+        cache.write(digits_task, built)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+def test_damaged_shard_is_refused_naming_it(built, damage):
+    shard = built / "train" / "x_00000.npy"
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[-7] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-64])
+    else:
+        shard.unlink()
+    with pytest.raises(Refused) as exc:
+        cache.open_task(tasks.digits(), built)
+    (finding,) = exc.value.findings
+    assert finding.rule == "cache-shard" and finding.file == str(shard)
+    assert {"flip": "sha256", "truncate": "truncated", "missing": "missing"}[damage] in (
+        finding.message
+    )
+
+
+def test_training_refuses_a_corrupt_cache(built, tmp_path, capsys, repo):
+    data = bytearray((built / "train" / "y_00000.npy").read_bytes())
+    data[-1] ^= 1
+    (built / "train" / "y_00000.npy").write_bytes(bytes(data))
+    cfg = json.loads((repo / "tests" / "configs" / "tiny_zero2_fp32.json").read_text())
+    cfg["wonderland"]["cache"] = str(built)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    run = tmp_path / "run"
+    rc = cli.main(["train", "--stage", "15", "--config", str(path), "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "y_00000.npy fails its sha256 check" in err
+    assert not run.exists()  # nothing trained on bad data, nothing written
+
+
+def test_cache_cli_exit_codes(tmp_path, capsys):
+    out = tmp_path / "c"
+    assert cli.main(["cache", "digits", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"]["train"] == 1116 and report["shards"] == 2
+    assert cli.main(["cache", "not-a-task", "--out", str(tmp_path / "d")]) == 2
+    assert not (tmp_path / "d").exists()
+
+
+def test_pylm_task_from_the_standard_library(tmp_path):
+    task = tasks.pylm().materialize()
+    assert task.train.x.shape[1] == 128 and task.train.x.dtype == np.int64
+    assert np.array_equal(task.train.x[:, 1:], task.train.y[:, :-1])  # next-byte targets
+    assert len(task.meta["heldout_sources"]) == len(task.heldout)
+    opened = cache.open_task(tasks.pylm(), cache.write(task, tmp_path / "lm") and tmp_path / "lm")
+    assert opened.meta["heldout_sources"][:3] == task.meta["heldout_sources"][:3]
