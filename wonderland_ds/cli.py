@@ -55,8 +55,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
     index, found = cache.write(task, Path(args.out))
     if args.json:
         summary = {k: index[k] for k in ("task", "fingerprint", "rows")}
-        print(json.dumps({**summary, "path": str(Path(args.out).resolve()),
-                          "shards": sum(len(v) for v in index["splits"].values())}, indent=2))
+        print(
+            json.dumps(
+                {
+                    **summary,
+                    "path": str(Path(args.out).resolve()),
+                    "shards": sum(len(v) for v in index["splits"].values()),
+                },
+                indent=2,
+            )
+        )
     else:
         render(found, False)
         print(f"fingerprint {index['fingerprint']}")
@@ -96,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("cache", help="write a dataset once as verified tensor shards")
-    p.add_argument("source", metavar="SOURCE",
-                   help="a built-in task (digits, pylm) or module:function returning a Task")
+    p.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a built-in task (digits, pylm) or module:function returning a Task",
+    )
     p.add_argument("--out", required=True, help="cache folder (created; never overwritten)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cache)

@@ -41,12 +41,14 @@ def _stage_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
         "steps",
         "seed",
         "min_warmup_steps",
+        "task",
         "baseline",
+        "out",
         "fault",
     ):
         value = getattr(args, flag)
         if value is not None:
-            if flag == "resume" and value != "auto":
+            if flag in ("baseline", "out") or (flag == "resume" and value != "auto"):
                 value = str(Path(value).resolve())
             out += [f"--{flag.replace('_', '-')}", str(value)]
     for flag in ("optimizer_state", "scheduler_state", "allow_seed_change", "allow_data_change"):
@@ -265,6 +267,94 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _eval_config(home: Path | None, meta: dict[str, object]) -> str:
+    """The config the checkpoint's stage ran with (from its run.json), else the default."""
+    from . import manifest
+    from .stage_args import DEFAULT_CONFIG
+
+    stages = ((manifest.read(home) or {}).get("stages") or {}) if home else {}
+    used = (stages.get(str(meta.get("stage"))) or {}).get("config")
+    return used if isinstance(used, str) and Path(used).is_file() else str(DEFAULT_CONFIG)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Stage 17 on one checkpoint, outside the pipeline: same preflight, same launcher path
+    (``cmd_train``), same per-rank code; only the run directory and report folder differ."""
+    import os
+
+    from . import checkpoint as ck
+    from .ckpt_inspect import resolve_tag_dir
+    from .evaluate import run_holding
+    from .preflight import stage_ckpt_root
+
+    ckpt = Path(args.checkpoint)
+    if not ckpt.exists():
+        raise Refused(
+            Finding(
+                "ckpt-missing",
+                "error",
+                "checkpoint path does not exist",
+                "pass a global_stepN folder, or the folder holding it",
+                args.checkpoint,
+            )
+        )
+    tag_dir = resolve_tag_dir(ckpt)
+    home = run_holding(tag_dir)
+    # Refuse a bad baseline here, before anything is launched or written.
+    if args.baseline:
+        v = ck.verify(resolve_tag_dir(Path(args.baseline)))
+        if not v.complete:
+            raise Refused(v.findings)
+    elif home is None or ck.newest_complete(stage_ckpt_root(home, 15), deep=False) is None:
+        raise Refused(
+            f"no baseline: {tag_dir} is not in a run with a complete stage-15 checkpoint",
+            "pass --baseline PATH (the checkpoint to compare against)",
+        )
+    if args.out:
+        run_dir = Path(args.out)  # the evaluation's own records; the source run is only read
+    elif home is not None:
+        run_dir = home
+    else:
+        raise Refused(
+            f"{tag_dir} is not inside a run directory (no run.json above it)",
+            "pass --out DIR for the report",
+        )
+    meta = ck.read_meta(tag_dir) or {}
+    config = args.config or _eval_config(home, meta)
+    argv = ["--stage", "17", "--config", config, "--run-dir", str(run_dir)]
+    argv += ["--resume", str(tag_dir), "--hostfile", args.hostfile]
+    seed = (meta.get("data") or {}).get("seed")
+    if isinstance(seed, int):
+        # Evaluation draws no random numbers: the checkpoint's own seed keeps the preflight's
+        # seed rule (about stage 16's data order) from refusing it.
+        argv += ["--seed", str(seed)]
+    for flag in ("baseline", "out", "task", "nproc", "master_port"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.allow_data_change:
+        argv.append("--allow-data-change")
+    print(f"wonderland eval: {tag_dir} with {config}", file=sys.stderr if args.json else sys.stdout)
+    train_args = build_train_parser().parse_args(argv)
+    if not args.json:
+        return cmd_train(train_args)
+    # --json: stdout carries one JSON object; the launcher's and ranks' output goes to stderr.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        rc = cmd_train(train_args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    report = (Path(args.out) if args.out else run_dir / "stage17") / "report.json"
+    result = {"exit_code": rc, "report": str(report) if rc in (EXIT_OK, EXIT_GUARD) else None}
+    if result["report"]:
+        result |= json.loads(report.read_text())
+    print(json.dumps(result, indent=2))
+    return rc
+
+
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hostfile",
@@ -325,3 +415,29 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         "--unverified", action="store_true", help="convert a checkpoint without wonderland metadata"
     )
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("eval", help="stage 17 on any checkpoint: per-class report, plots, gate")
+    p.add_argument("--checkpoint", required=True, metavar="CKPT", help="checkpoint to evaluate")
+    p.add_argument(
+        "--baseline",
+        metavar="CKPT",
+        help="checkpoint to compare with (default: newest complete stage-15 one of its run)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="folder for report.json, report.md, the plots and this evaluation's run.json"
+        " (default: RUN/stage17 of the checkpoint's run)",
+    )
+    p.add_argument(
+        "--config", help="wonderland config (default: the one the checkpoint's stage used)"
+    )
+    p.add_argument("--task", help="task to evaluate on (overrides the config's wonderland.task)")
+    p.add_argument(
+        "--allow-data-change",
+        action="store_true",
+        help="evaluate on a task whose training data differs from the checkpoint's",
+    )
+    _add_launch_flags(p)
+    p.add_argument("--json", action="store_true", help="print report.json (plus exit_code) only")
+    p.set_defaults(func=cmd_eval)

@@ -72,3 +72,33 @@ def gather_all(obj: Any) -> list[Any]:
 def teardown() -> None:
     if active():
         dist.destroy_process_group()
+
+
+def all_reduce_sum(tensor: Any) -> Any:
+    """In-place sum across ranks (no-op on one process)."""
+    if active():
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def send(tensor: Any, dst: int) -> None:
+    dist.send(tensor, dst)
+
+
+def recv(tensor: Any, src: int) -> None:
+    dist.recv(tensor, src)
+
+
+def monitored_barrier(timeout_s: int) -> str | None:
+    """gloo only: a barrier that names the ranks that did not arrive. None when all did (or
+    when the backend cannot tell, e.g. NCCL, where a plain barrier is used)."""
+    if not active():
+        return None
+    if dist.get_backend() != "gloo":
+        dist.barrier()
+        return None
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as exc:
+        return f"ranks missing at the stage-start barrier after {timeout_s} s: {exc}"
+    return None

@@ -21,10 +21,12 @@ import torch
 
 from . import checkpoint as ck
 from . import distributed as dist
-from . import faults, manifest
+from . import faults, health, manifest
 from .data import GlobalSampler, LoaderState, Prefetcher
 from .ds_config import DSConfig
-from .findings import Finding, Refused
+from .findings import Finding, GuardStop, Refused
+from .guards import StepGuards
+from .health import Event
 from .settings import WonderlandSettings
 from .tasks import Normalize, Task, normalization_stats
 
@@ -287,8 +289,75 @@ def write_metrics(run: StageRun, rows: list[dict[str, Any]], keep_upto: int | No
         w.writerows(rows)
 
 
-def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
-    """Train until the stage's step budget; save every ``save_interval`` and at the end."""
+def start_check(run: StageRun, guards: StepGuards, verify: bool) -> None:
+    """All-reduce verification and per-rank transfer timings before the first step."""
+    g = run.settings.guards
+    if not (g.enabled and verify):
+        return
+    missing = dist.monitored_barrier(min(run.settings.process_group_timeout_s, 120))
+    if missing:
+        raise GuardStop(
+            [
+                Finding(
+                    "allreduce-check",
+                    "error",
+                    missing,
+                    "check that host's network and process, then resume",
+                )
+            ]
+        )
+    report, events = health.verify_allreduce(DTYPES[run.cfg.precision], run.fault, guards.hosts, g)
+    if dist.is_main():
+        dump_json(run.stage_dir / "allreduce_check.json", report)
+        print(
+            "[wonderland] all-reduce verification at stage start:\n" + health.report_table(report),
+            flush=True,
+        )
+    guards.record(events)
+    stop = [e for e in events if e.policy == "stop"]
+    if stop:
+        raise GuardStop(
+            [
+                Finding(
+                    e.guard,
+                    "error",
+                    f"rank {e.rank} ({e.host}): {e.message}",
+                    "check that host's network/GPU, exclude it from the hostfile,"
+                    " then resume with --resume auto",
+                )
+                for e in stop
+            ]
+        )
+
+
+def _stop(run: StageRun, guards: StepGuards, events: list[Event]) -> GuardStop:
+    if dist.is_main():
+        dump_json(
+            run.stage_dir / "guard_report.json",
+            {"stopped_at_step": guards.step, "events": [e.to_dict() for e in guards.events]},
+        )
+    return GuardStop(
+        [
+            Finding(
+                e.guard,
+                "error",
+                f"step {e.step}"
+                + (f" rank {e.rank} ({e.host})" if e.rank is not None else "")
+                + f": {e.message}",
+                "the newest complete checkpoint is untouched: fix the cause and"
+                " resume with --resume auto",
+            )
+            for e in events
+            if e.policy != "warn"
+        ]
+    )
+
+
+def fit(
+    run: StageRun, engine: Any, prog: Progress, log: Any, verify: bool = False
+) -> dict[str, Any]:
+    """Train until the stage's step budget under the guards; save every ``save_interval``
+    and at the end."""
     rank, world = dist.rank(), dist.world_size()
     mb = int(engine.train_micro_batch_size_per_gpu())
     gas = int(engine.gradient_accumulation_steps())
@@ -297,18 +366,33 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
     assert train is not None
     end = prog.stage_start_step + run.steps
     first = int(engine.global_steps)
-    loader = Prefetcher(
-        train.x,
-        train.y,
-        GlobalSampler(len(train), run.seed),
-        prog.samples_consumed,
-        mb,
-        gas,
-        world,
-        rank,
-        end - first,
-        x_dtype=DTYPES[run.cfg.precision],
+    fp16 = run.cfg.fp16
+    guards = StepGuards(
+        run.settings.guards,
+        run.fault,
+        run.stage_dir,
+        int(engine.zero_optimization_stage()),
+        fp16.enabled,
+        float(fp16.min_loss_scale),
     )
+    start_check(run, guards, verify)
+    guards.attach(engine.module)
+
+    def loader_from(step: int) -> Prefetcher:
+        return Prefetcher(
+            train.x,
+            train.y,
+            GlobalSampler(len(train), run.seed),
+            prog.samples_consumed,
+            mb,
+            gas,
+            world,
+            rank,
+            end - step,
+            x_dtype=DTYPES[run.cfg.precision],
+        )
+
+    loader = loader_from(first)
     if dist.is_main():
         write_metrics(run, [], keep_upto=first)
     rows: list[dict[str, Any]] = []
@@ -318,9 +402,9 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
     try:
         while int(engine.global_steps) < end:
             step = int(engine.global_steps)
+            guards.begin(step)
             t0, wait0 = time.perf_counter(), loader.wait_s
-            # [loss sum, sample digest]: one small all-reduce a step for both.
-            total = torch.zeros(2, dtype=torch.float64)
+            loss_sum, digest = 0.0, 0.0
             for _ in range(gas):
                 mbatch = loader.next()
                 torch.manual_seed(_micro_seed(run.seed, mbatch.position))
@@ -329,13 +413,32 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
                 loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
                 engine.backward(loss)
                 engine.step()
-                total[0] += float(loss.detach())
-                total[1] += mbatch.digest
+                loss_sum += float(loss.detach())
+                digest += mbatch.digest
+            faults.perturb(run.fault, engine.module, step + 1, rank)
             prog.samples_consumed += batch
-            if dist.active():
-                torch.distributed.all_reduce(total)
-            last_loss = float(total[0]) / (gas * world)
+            # [loss sum, sample digest, per-rank grad norms, per-rank fingerprints]: one
+            # small all-reduce a step carries every number the guards and the log need.
+            vec = guards.vector(engine.module)
+            vec[0], vec[1] = loss_sum, digest
+            dist.all_reduce_sum(vec)
+            last_loss = float(vec[0]) / (gas * world)
             done = int(engine.global_steps)
+            lr = float(engine.get_lr()[0])
+            events = guards.judge(vec, last_loss, lr, engine.module, engine)
+            decision = guards.decision(events)
+            if decision == "stop":
+                if dist.is_main():
+                    write_metrics(run, rows, keep_upto=None)
+                raise _stop(run, guards, events)
+            if decision == "rollback":
+                if dist.is_main():
+                    write_metrics(run, rows, keep_upto=None)
+                rows = []
+                loader.close()
+                back = rollback(run, engine, prog, guards, log)
+                loader = loader_from(back)
+                continue
             grad_norm = engine.get_global_grad_norm()
             step_s, wait_s = time.perf_counter() - t0, loader.wait_s - wait0
             step_total, wait_total = step_total + step_s, wait_total + wait_s
@@ -343,10 +446,10 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
                 {
                     "step": done,
                     "loss": f"{last_loss:.8g}",
-                    "lr": f"{engine.get_lr()[0]:.8g}",
+                    "lr": f"{lr:.8g}",
                     "grad_norm": "" if grad_norm is None else f"{float(grad_norm):.6g}",
                     "samples": prog.samples_consumed,
-                    "sample_digest": int(total[1]),
+                    "sample_digest": int(vec[1]),
                     "step_s": f"{step_s:.5f}",
                     "data_wait_s": f"{wait_s:.6f}",
                     "wall": f"{time.time():.3f}",
@@ -355,7 +458,7 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
             if log is not None and (done % run.settings.log_interval == 0 or done == end):
                 log(
                     f"stage {run.stage} step {done}/{end} loss {last_loss:.4f}"
-                    f" lr {engine.get_lr()[0]:.3g} samples {prog.samples_consumed}"
+                    f" lr {lr:.3g} samples {prog.samples_consumed}"
                     f" data-stall {100 * wait_total / max(step_total, 1e-9):.2f}%"
                 )
             faults.maybe(run.fault, "step", done, rank)
@@ -368,6 +471,7 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
                     log(f"checkpoint {tag_dir} complete (sha256 verified metadata written last)")
     finally:
         loader.close()
+        guards.close()
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
     elapsed = time.perf_counter() - t_start
@@ -377,8 +481,61 @@ def fit(run: StageRun, engine: Any, prog: Progress, log: Any) -> dict[str, Any]:
         "global_step": int(engine.global_steps),
         "seconds": round(elapsed, 3),
         "data_stall_fraction": round(wait_total / max(step_total, 1e-9), 6),
+        "guard_events": guards.summary(),
+        "rollbacks": guards.rollbacks,
         "checkpoint": str(run.ckpt_root / ck.tag_for(int(engine.global_steps))),
     }
+
+
+def rollback(run: StageRun, engine: Any, prog: Progress, guards: StepGuards, log: Any) -> int:
+    """PaLM-style: reload this stage's newest complete checkpoint and skip the batches between
+    it and the offending step (the sample position is not rewound). Bounded by max_rollbacks."""
+    newest = ck.newest_complete(run.ckpt_root)
+    if newest is None or newest.meta is None:
+        raise _stop(
+            run,
+            guards,
+            [
+                Event(
+                    "rollback",
+                    guards.step,
+                    "stop",
+                    "no complete checkpoint of this stage to roll back to",
+                )
+            ],
+        )
+    path, _ = engine.load_checkpoint(
+        str(run.ckpt_root),
+        tag=newest.tag_dir.name,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if path is None:
+        raise _stop(
+            run,
+            guards,
+            [Event("rollback", guards.step, "stop", f"DeepSpeed did not load {newest.tag_dir}")],
+        )
+    sync_lr(engine)
+    back = int(engine.global_steps)
+    skipped_from = int(newest.meta["data"]["samples_consumed"])
+    guards.rollbacks += 1
+    guards.watchdog.forget_after(max(0, len(guards.watchdog.losses) - (guards.step - back)))
+    if dist.is_main():
+        write_metrics(run, [], keep_upto=back)
+    guards.record(
+        [
+            Event(
+                "rollback",
+                guards.step,
+                "warn",
+                f"rolled back to {newest.tag_dir.name}; skipping samples"
+                f" [{skipped_from}, {prog.samples_consumed}) (rollback"
+                f" {guards.rollbacks}/{run.settings.guards.max_rollbacks})",
+            )
+        ]
+    )
+    return back
 
 
 def read_losses(stage_dir: Path) -> dict[int, float]:

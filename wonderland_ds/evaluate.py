@@ -1,7 +1,9 @@
 """Stage 17, the final evaluation sweep: per-class metrics of stage 16 against stage 15.
 
-Held-out samples are sharded across ranks by index (``i % world == rank``) and gathered, so
-every sample is counted exactly once. Metrics come from scikit-learn.
+Held-out samples are cut into fixed blocks of ``BLOCK`` consecutive rows and the blocks are dealt
+to ranks round-robin: every sample is counted exactly once (no padding duplicates), and each
+block goes through the model as the same batch whatever the world size, so 1, 2 or 3 ranks give
+the same predictions. Metrics come from scikit-learn; figures from ``plots.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import torch
 
 from . import checkpoint as ck
 from . import distributed as dist
+from . import manifest
+from .ckpt_inspect import resolve_tag_dir
 from .findings import Finding, GuardStop, Refused
+from .plots import label
 from .preflight import Plan, stage_ckpt_root
 from .stage import log
-from .tasks import Task
+from .tasks import Split, Task
+
+BLOCK = 64
+"""Rows per forward pass; a block is the unit dealt to ranks."""
 
 
 def consolidated_state(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -28,6 +36,18 @@ def consolidated_state(tag_dir: Path) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+
+
+def heldout(task: Task) -> Split:
+    if task.heldout is None:
+        raise Refused(f"task {task.name!r} has no held-out split", "give the task held-out data")
+    return task.heldout
+
+
+def shard(n: int, rank: int, world: int) -> list[np.ndarray]:
+    """This rank's blocks of ``range(n)``: block ``b`` goes to rank ``b % world``."""
+    starts = range(rank * BLOCK, n, world * BLOCK)
+    return [np.arange(s, min(s + BLOCK, n)) for s in starts]
 
 
 def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -41,20 +61,27 @@ def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.
             "evaluate with the task it was trained on",
         )
     model.eval()
-    idx = np.arange(dist.rank(), len(task.heldout), dist.world_size())
+    split = heldout(task)
+    blocks = shard(len(split), dist.rank(), dist.world_size())
+    preds = [np.zeros(0, dtype=np.int64)]
     with torch.no_grad():
-        logits = model(torch.from_numpy(task.heldout.x[idx]))
-    return idx, logits.argmax(-1).numpy()
+        for idx in blocks:
+            logits = model(torch.from_numpy(np.asarray(split.x[idx], dtype=np.float32)))
+            preds.append(logits.argmax(-1).numpy().astype(np.int64))
+    idx_all = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    return idx_all, np.concatenate(preds)
 
 
 def gathered_predictions(task: Task, tag_dir: Path) -> np.ndarray:
     idx, pred = predict(task, consolidated_state(tag_dir))
-    out = np.full(len(task.heldout), -1, dtype=np.int64)
-    seen = np.zeros(len(task.heldout), dtype=np.int64)
+    n = len(heldout(task))
+    out = np.full(n, -1, dtype=np.int64)
+    seen = np.zeros(n, dtype=np.int64)
     for i, p in dist.gather_all((idx, pred)):
         out[i] = p
         seen[i] += 1
-    assert (seen == 1).all(), "every held-out sample must be evaluated exactly once"
+    if not (seen == 1).all():  # a sharding bug, never a user mistake: fail loudly
+        raise RuntimeError(f"held-out samples evaluated {seen.min()}..{seen.max()} times, not once")
     return out
 
 
@@ -67,7 +94,7 @@ def metrics(task: Task, pred: np.ndarray) -> dict[str, Any]:
         precision_recall_fscore_support,
     )
 
-    y = task.heldout.y
+    y = np.asarray(heldout(task).y)
     labels = list(range(task.num_classes))
     p, r, f, s = precision_recall_fscore_support(y, pred, labels=labels, zero_division=0)
     per_class = [
@@ -125,14 +152,22 @@ def gate(
     return out or [Finding("gate", "ok", "no class regressed beyond the margin")]
 
 
-def _baseline(args: argparse.Namespace, run_dir: Path) -> Path:
+def run_holding(path: Path) -> Path | None:
+    """The run directory (with a ``run.json``) a checkpoint lies in, if any."""
+    for parent in path.resolve().parents:
+        if (parent / manifest.NAME).exists():
+            return parent
+    return None
+
+
+def _baseline(args: argparse.Namespace, home: Path) -> Path:
     if args.baseline:
-        v = ck.verify(Path(args.baseline))
+        v = ck.verify(resolve_tag_dir(Path(args.baseline)))
     else:
-        found = ck.newest_complete(stage_ckpt_root(run_dir, 15))
+        found = ck.newest_complete(stage_ckpt_root(home, 15))
         if found is None:
             raise Refused(
-                "stage 17 found no complete stage-15 checkpoint to compare with",
+                f"stage 17 found no complete stage-15 checkpoint in {home} to compare with",
                 "pass --baseline PATH",
             )
         v = found
@@ -141,26 +176,46 @@ def _baseline(args: argparse.Namespace, run_dir: Path) -> Path:
     return v.tag_dir
 
 
+def table(report: dict[str, Any]) -> list[str]:
+    """The per-class table a person reads first (stdout and report.md share it)."""
+    failed = {f["path"] for f in report["gate"]["findings"] if f["severity"] == "error"}
+    rows = [
+        "| class | minority | support | recall (baseline) | recall (checkpoint) | f1 | gate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for new, old in zip(report["stage16"]["per_class"], report["stage15"]["per_class"]):
+        mark = "FAIL" if f"class {new['class']}" in failed else ""
+        rows.append(
+            f"| {new['class']} | {'yes' if new['minority'] else ''} | {new['support']}"
+            f" | {old['recall']:.3f} | {new['recall']:.3f} | {new['f1']:.3f} | {mark} |"
+        )
+    return rows
+
+
 def _markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Stage 17: final evaluation sweep",
         "",
-        f"Gate: **{report['gate']['verdict']}**",
+        f"Checkpoint: `{report['checkpoint']}`  ",
+        f"Baseline: `{report['baseline']}`",
         "",
-        "| class | minority | support | recall (stage 15) | recall (stage 16) | f1 (16) |",
-        "|---|---|---|---|---|---|",
+        f"Gate: **{report['gate']['verdict']}** (recall-drop margin"
+        f" {report['gate']['recall_drop_margin']}, minority floor"
+        f" {report['gate']['minority_recall_floor']})",
+        "",
+        *table(report),
+        "",
+        "| metric | baseline | checkpoint |",
+        "|---|---|---|",
     ]
-    for new, old in zip(report["stage16"]["per_class"], report["stage15"]["per_class"]):
-        lines.append(
-            f"| {new['class']} | {'yes' if new['minority'] else ''} | {new['support']}"
-            f" | {old['recall']:.3f} | {new['recall']:.3f} | {new['f1']:.3f} |"
-        )
     for key in ("accuracy", "balanced_accuracy", "macro_f1"):
-        lines.append(
-            f"\n{key}: stage 15 {report['stage15'][key]:.4f}, stage 16 {report['stage16'][key]:.4f}"
-        )
+        lines.append(f"| {key} | {report['stage15'][key]:.4f} | {report['stage16'][key]:.4f} |")
+    lines.append("")
     for f in report["gate"]["findings"]:
         lines.append(f"- {f['severity']}: {f['message']}")
+    if report["plots"]:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{name}]({name})" for name in report["plots"]]
     return "\n".join(lines) + "\n"
 
 
@@ -168,15 +223,23 @@ def run_eval(
     args: argparse.Namespace, run_dir: Path, decided: dict[str, Any], plan: Plan
 ) -> dict[str, Any]:
     task: Task = decided["task"]
+    if task.kind != "classify":
+        raise Refused(
+            f"stage 17 evaluates classification tasks; {task.name!r} is a {task.kind} task",
+            "evaluate a classification task (per-source LM loss/perplexity is not built yet)",
+        )
     settings = decided["settings"]
     assert plan.source is not None
-    base_dir = _baseline(args, run_dir)
+    # Baseline and training curves come from the run the checkpoint was trained in, which is
+    # not run_dir when `wonderland eval --out DIR` keeps its records in DIR.
+    home = run_holding(plan.source) or run_dir
+    base_dir = _baseline(args, home)
     new = metrics(task, gathered_predictions(task, plan.source))
     base = metrics(task, gathered_predictions(task, base_dir))
     verdict = gate(
         task, new, base, settings.eval.recall_drop_margin, settings.eval.minority_recall_floor
     )
-    failed = any(f.severity == "error" for f in verdict)
+    failed = [f for f in verdict if f.severity == "error"]
     report: dict[str, Any] = {
         "checkpoint": str(plan.source),
         "baseline": str(base_dir),
@@ -188,20 +251,41 @@ def run_eval(
             "minority_recall_floor": settings.eval.minority_recall_floor,
             "findings": [f.to_dict() for f in verdict],
         },
+        "plots": [],
     }
-    out = run_dir / "stage17"
+    out = Path(args.out) if getattr(args, "out", None) else run_dir / "stage17"
     if dist.is_main():
+        from .plots import write_plots
+
         out.mkdir(parents=True, exist_ok=True)
+        curves = {n: home / f"stage{n}" / "metrics.csv" for n in (15, 16)}
+        report["plots"] = write_plots(out, report, curves)
         ck.atomic_write_text(out / "report.json", json.dumps(report, indent=2))
         ck.atomic_write_text(out / "report.md", _markdown(report))
+        log(f"stage 17: {label(report['checkpoint'])} against {label(report['baseline'])}")
+        for row in table(report):
+            log(row)
         log(
             f"stage 17 summary: accuracy {base['accuracy']:.3f} -> {new['accuracy']:.3f},"
             f" macro-F1 {base['macro_f1']:.3f} -> {new['macro_f1']:.3f}, worst class"
             f" {new['worst_class']['class']} recall {new['worst_class']['recall']:.3f};"
             f" gate {report['gate']['verdict']} ({out / 'report.md'})"
         )
+        if failed:
+            # The deepspeed launcher kills every rank as soon as one exits non-zero: record the
+            # verdict before the barrier, so rank 0 is never killed with it unwritten.
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status="gate-failed",
+                finished=manifest.now(),
+                report=str(out / "report.json"),
+                gate="fail",
+                error="; ".join(f.message for f in failed)[:500],
+            )
+    dist.barrier()
     if failed:
-        raise GuardStop([f for f in verdict if f.severity == "error"])
+        raise GuardStop(failed)
     return {
         "report": str(out / "report.json"),
         "gate": "pass",

@@ -1,14 +1,24 @@
 """Fault injection: a documented switch (``--fault`` or ``WONDERLAND_FAULT``), not a monkeypatch.
 
-Grammar: comma-separated ``KIND@POINT[:step=N][:rank=R]``.
+Grammar: comma-separated ``KIND@POINT[:step=N][:until=M][:rank=R][:factor=F]``. Rank defaults
+to 0. One-shot kinds act at ``step`` only; persistent kinds act from ``step`` (default: the
+first) to ``until`` (default: forever).
 
-* ``kill@step:step=25:rank=1``: SIGKILL rank 1 right after optimizer step 25.
-* ``kill@save-before-meta:step=20``: SIGKILL rank 0 inside the save of step 20, after every
-  shard is written but before the metadata (also ``save-after-shards``, ``save-before-latest``).
-* ``nan@step:step=30:rank=0``: rank 0's loss is NaN at optimizer step 30.
+==========================  ======================================================================
+``kill@step:step=25:rank=1``  SIGKILL rank 1 right after optimizer step 25
+``kill@save-before-meta``     SIGKILL rank 0 inside a save, after the shards, before the metadata
+                              (also ``save-after-shards``, ``save-before-latest``)
+``nan@step:step=30``          rank 0's loss is NaN at step 30
+``spike@step:step=40:factor=4``  every rank's loss (and so its gradient) x4 at step 40
+``drop@grad:rank=1:step=10:until=12``  rank 1's gradients are zeroed before the reduction
+``slow@comm:rank=1:factor=2``  rank 1's communication takes 2x: the start check's transfers and,
+                              during training, a sleep before its gradient reduction
+``perturb@step:rank=1:step=30``  rank 1's weights get noise after every step from 30 on
+                              (a persistently faulty replica)
+==========================  ======================================================================
 
-Every injected fault prints ``FAULT INJECTED: ...`` to stderr first, so a test can show the
-fault really happened. Rank defaults to 0, step to any step.
+Every injected fault prints ``FAULT INJECTED: ...`` to stderr when it first acts, so a test can
+show that the fault really happened.
 """
 
 from __future__ import annotations
@@ -22,8 +32,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is not imported by `wonderland check` (it must stay fast)
     import torch
 
-KINDS = ("kill", "nan")
-POINTS = ("step", "save-after-shards", "save-before-meta", "save-before-latest")
+KINDS = ("kill", "nan", "spike", "drop", "slow", "perturb")
+POINTS = ("step", "grad", "comm", "save-after-shards", "save-before-meta", "save-before-latest")
+ONE_SHOT = ("kill", "nan", "spike")
+_VALID = {
+    "kill": POINTS,
+    "nan": ("step",),
+    "spike": ("step",),
+    "drop": ("grad",),
+    "slow": ("comm",),
+    "perturb": ("step",),
+}
 
 
 @dataclass(frozen=True)
@@ -32,22 +51,48 @@ class Fault:
     point: str
     step: int | None = None
     rank: int = 0
+    until: int | None = None
+    factor: float = 1.0
+
+    def active(self, step: int) -> bool:
+        if self.kind in ONE_SHOT:
+            return self.step is None or step == self.step
+        return (self.step is None or step >= self.step) and (
+            self.until is None or step <= self.until
+        )
 
 
-@dataclass(frozen=True)
+@dataclass
 class FaultPlan:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
+    _announced: set[tuple[Fault, int, int]] = field(default_factory=set)
+    base_transfer_s: float = 2e-3
+    """The last healthy transfer time this rank measured: the slow fault sleeps a multiple."""
 
-    def at(self, point: str, step: int, rank: int) -> list[Fault]:
+    def at(self, point: str, step: int, rank: int, kind: str | None = None) -> list[Fault]:
         return [
             f
             for f in self.faults
-            if f.point == point and f.rank == rank and (f.step is None or f.step == step)
+            if f.point == point
+            and f.rank == rank
+            and (kind is None or f.kind == kind)
+            and f.active(step)
         ]
+
+    def announce(self, f: Fault, step: int, rank: int) -> None:
+        key = (f, rank, step if f.kind in ONE_SHOT else -1)
+        if key not in self._announced:
+            self._announced.add(key)
+            print(
+                f"FAULT INJECTED: {f.kind} at {f.point} step {step} rank {rank}"
+                f"{'' if f.factor == 1.0 else f' factor {f.factor:g}'} (pid {os.getpid()})",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def parse(spec: str | None) -> FaultPlan:
-    """Parse a fault spec; raises ValueError with the bad item named."""
+    """Parse a fault spec; raises ValueError naming the bad item."""
     if not spec:
         return FaultPlan()
     out = []
@@ -55,26 +100,34 @@ def parse(spec: str | None) -> FaultPlan:
         item = item.strip()
         head, *opts = item.split(":")
         kind, _, point = head.partition("@")
-        if kind not in KINDS or point not in POINTS:
+        if kind not in KINDS or point not in _VALID[kind]:
             raise ValueError(
-                f"bad fault {item!r}: use KIND@POINT with KIND in {KINDS} and POINT in {POINTS}"
+                f"bad fault {item!r}: use KIND@POINT, KIND in {KINDS}, POINT"
+                f" {'/'.join(_VALID.get(kind, POINTS))}"
             )
-        kw: dict[str, int] = {}
+        kw: dict[str, float] = {}
         for opt in opts:
             key, _, value = opt.partition("=")
-            if key not in ("step", "rank") or not value.isdigit():
-                raise ValueError(f"bad fault option {opt!r} in {item!r}: use step=N or rank=R")
-            kw[key] = int(value)
-        out.append(Fault(kind, point, kw.get("step"), kw.get("rank", 0)))
+            try:
+                number = float(value) if key == "factor" else int(value)
+            except ValueError:
+                number = -1
+            if key not in ("step", "rank", "until", "factor") or number < 0:
+                raise ValueError(
+                    f"bad fault option {opt!r} in {item!r}: use step=N, until=N, rank=R or factor=F"
+                )
+            kw[key] = number
+        out.append(
+            Fault(
+                kind,
+                point,
+                None if "step" not in kw else int(kw["step"]),
+                int(kw.get("rank", 0)),
+                None if "until" not in kw else int(kw["until"]),
+                float(kw.get("factor", 4.0 if kind == "spike" else 2.0 if kind == "slow" else 1.0)),
+            )
+        )
     return FaultPlan(tuple(out))
-
-
-def _announce(f: Fault, step: int, rank: int) -> None:
-    print(
-        f"FAULT INJECTED: {f.kind} at {f.point} step {step} rank {rank} (pid {os.getpid()})",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def maybe(plan: FaultPlan, point: str, step: int, rank: int | None = None) -> None:
@@ -84,15 +137,41 @@ def maybe(plan: FaultPlan, point: str, step: int, rank: int | None = None) -> No
     from . import distributed as dist
 
     r = dist.rank() if rank is None else rank
-    for f in plan.at(point, step, r):
-        if f.kind == "kill":
-            _announce(f, step, r)
-            os.kill(os.getpid(), signal.SIGKILL)
+    for f in plan.at(point, step, r, "kill"):
+        plan.announce(f, step, r)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def corrupt_loss(plan: FaultPlan, loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
-    for f in plan.at("step", step, rank):
-        if f.kind == "nan":
-            _announce(f, step, rank)
-            return loss * float("nan")
+    for f in plan.at("step", step, rank, "nan"):
+        plan.announce(f, step, rank)
+        loss = loss * float("nan")
+    for f in plan.faults:
+        if f.kind == "spike" and f.active(step):  # every rank: a real loss spike
+            plan.announce(f, step, rank)
+            loss = loss * f.factor
     return loss
+
+
+def slow_factor(plan: FaultPlan, step: int, rank: int) -> float:
+    found = plan.at("comm", step, rank, "slow")
+    return found[0].factor if found else 1.0
+
+
+def drops_grads(plan: FaultPlan, step: int, rank: int) -> bool:
+    found = plan.at("grad", step, rank, "drop")
+    if found:
+        plan.announce(found[0], step, rank)
+    return bool(found)
+
+
+def perturb(plan: FaultPlan, module: torch.nn.Module, step: int, rank: int) -> None:
+    import torch
+
+    for f in plan.at("step", step, rank, "perturb"):
+        plan.announce(f, step, rank)
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.requires_grad and p.numel() > 0:
+                    p.add_(torch.randn_like(p) * 1e-3)
+                    break

@@ -7,6 +7,8 @@ handed to ``deepspeed.initialize``. Every field is documented in the README.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -21,6 +23,58 @@ class EvalGate(_Strict):
     """A class whose recall fell by more than this (absolute) since stage 15 fails the gate."""
     minority_recall_floor: float = Field(0.50, ge=0.0, le=1.0)
     """A minority class whose recall is below this fails the gate."""
+
+
+Policy = Literal["warn", "stop", "rollback"]
+
+
+class Guards(_Strict):
+    """Health guards while a stage trains (issue: silent gradient drops, slow nodes, spikes).
+
+    Policies: ``warn`` (log and go on), ``stop`` (exit 3 with a report; the last complete
+    checkpoint stays the newest), ``rollback`` (reload the last complete checkpoint and skip the
+    offending batches, at most ``max_rollbacks`` times, then stop)."""
+
+    enabled: bool = True
+    allreduce_check: bool | None = None
+    """Verify the all-reduce at stage start; None: on for stage 16, off elsewhere."""
+    slow_factor: float = Field(1.25, gt=1.0)
+    """A rank whose transfers take this many times the median of the others is slow."""
+    slow_min_ms: float = Field(2.0, ge=0.0)
+    """...and at least this many milliseconds slower (sub-millisecond timings are noise)."""
+    slow_policy: Literal["warn", "stop"] = "warn"
+    comm_probe_interval: int = Field(50, ge=0)
+    """Re-run the per-rank transfer probe (4 MB, min of 3) every N steps while training
+    (0: never); a rank is reported after two slow probes in a row."""
+    grad_drop_ratio: float = Field(0.1, gt=0.0, lt=1.0)
+    """A rank whose local gradient norm is below this fraction of its peers' median (or zero,
+    or non-finite) dropped its gradients."""
+    grad_drop_policy: Policy = "stop"
+    fingerprint_interval: int = Field(50, ge=0)
+    """Compare a parameter fingerprint across data-parallel replicas every N steps (0: never;
+    ZeRO-3 holds no replicas)."""
+    divergence_policy: Policy = "stop"
+    nan_policy: Policy = "stop"
+    spike_factor: float = Field(3.0, gt=1.0)
+    """A loss above this multiple of the rolling median is a spike (the field notes saw 4x)."""
+    spike_mad: float = Field(6.0, ge=0.0)
+    """...and above the rolling median by this many robust standard deviations (1.4826 x MAD),
+    so that the heavy-tailed loss of small batches does not false-alarm."""
+    spike_min_delta: float = Field(0.05, ge=0.0)
+    """...and at least this far above it in absolute loss units (a converged loss of 0.0002
+    that jumps to 0.002 is noise, not a spike). Tune to your loss's scale."""
+    spike_window: int = Field(50, ge=5)
+    spike_warmup: int = Field(20, ge=1)
+    """Steps of history needed before spikes are judged."""
+    spike_policy: Policy = "warn"
+    plateau_window: int = Field(0, ge=0)
+    """Flag a loss flat within plateau_tolerance over this many steps while the LR does not
+    decrease (0: off; it false-alarms on converged runs)."""
+    plateau_tolerance: float = Field(0.01, gt=0.0)
+    plateau_policy: Literal["warn", "stop"] = "warn"
+    loss_scale_stuck_steps: int = Field(50, ge=1)
+    """fp16: the loss scale at its minimum this many steps in a row is an error (stop)."""
+    max_rollbacks: int = Field(2, ge=0)
 
 
 class WonderlandSettings(_Strict):
@@ -47,6 +101,7 @@ class WonderlandSettings(_Strict):
     log_interval: int = Field(50, ge=1)
     """Print a progress line every this many steps on rank 0."""
     eval: EvalGate = Field(default_factory=EvalGate)
+    guards: Guards = Field(default_factory=Guards)
 
     @model_validator(mode="after")
     def _stage_keys(self) -> WonderlandSettings:

@@ -207,7 +207,10 @@ def run(args: argparse.Namespace) -> int:
             result = run_export(args, run_dir, decided, plan)
     except BaseException as exc:
         if dist.is_main():
-            status = "gate-failed" if type(exc).__name__ == "GuardStop" else "failed"
+            stopped = type(exc).__name__ == "GuardStop"
+            status = (
+                ("gate-failed" if st.kind == "eval" else "guard-stopped") if stopped else ("failed")
+            )
             manifest.update_stage(
                 run_dir, args.stage, status=status, finished=manifest.now(), error=str(exc)[:500]
             )

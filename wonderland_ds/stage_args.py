@@ -95,7 +95,17 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept training data different from the checkpoint's (recorded)",
     )
+    p.add_argument(
+        "--task",
+        metavar="NAME|MODULE:FUNCTION",
+        help="task of this stage: built-in name or module:function (overrides wonderland.task)",
+    )
     p.add_argument("--baseline", help="stage 17: baseline checkpoint (default: stage 15's newest)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="stage 17: folder for report.json, report.md and the plots (default RUN_DIR/stage17)",
+    )
     p.add_argument("--fault", type=fault_spec, help="fault injection, see faults.py / README")
     p.add_argument("--json", action="store_true", help="print the preflight report as JSON")
 

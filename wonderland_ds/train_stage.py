@@ -17,6 +17,16 @@ from .preflight import Plan
 from .stage import log
 
 
+def _verify(run: StageRun) -> bool:
+    """All-reduce verification at stage start: configured, else on for stage 16."""
+    from . import stages
+
+    g = run.settings.guards
+    return (
+        stages.get(run.stage).verify_allreduce if g.allreduce_check is None else g.allreduce_check
+    )
+
+
 def _universal_source(plan: Plan, run_dir: Path, stage: int) -> Path:
     """Rank 0 converts (or reuses a conversion); every rank gets the path or the refusal."""
     from .universal import convert
@@ -61,7 +71,7 @@ def train(
         what = "pre-normalization statistics over" if norm is not None else "no normalization,"
         log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} cached samples")
         engine = build(run, norm)
-        return fit(run, engine, prog, log)
+        return fit(run, engine, prog, log, _verify(run))
 
     info = plan.source_info
     stats = info.get("norm_stats") or {}
@@ -135,4 +145,4 @@ def train(
         f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
         f" sample {prog.samples_consumed}" + (" (universal)" if plan.universal else "")
     )
-    return fit(run, engine, prog, log)
+    return fit(run, engine, prog, log, _verify(run))

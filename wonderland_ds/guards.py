@@ -1,0 +1,183 @@
+"""The guards while a stage trains: hooks, one all-reduce a step, policies.
+
+Per step every rank writes into one small float64 vector: the loss sum, the sample digest, its
+own local gradient norm (measured by a tensor hook *before* DeepSpeed's reduction, FACTS.md) and,
+every ``fingerprint_interval`` steps, a checksum of its parameters. One all-reduce gives every
+rank the same numbers, so every rank takes the same decision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import distributed as dist
+from . import faults, health
+from .health import Event
+from .settings import Guards
+
+SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
+
+
+class StepGuards:
+    def __init__(
+        self,
+        g: Guards,
+        plan: faults.FaultPlan,
+        stage_dir: Path,
+        zero_stage: int,
+        fp16: bool,
+        min_loss_scale: float,
+    ) -> None:
+        self.g, self.plan, self.stage_dir = g, plan, stage_dir
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.hosts: list[str] = dist.gather_all(dist.hostname())
+        self.replicas = zero_stage < 3  # ZeRO-3 partitions parameters: no replicas to compare
+        self.fp16, self.min_loss_scale = fp16, min_loss_scale
+        self.watchdog = health.LossWatchdog(g)
+        self.local_sq = torch.zeros((), dtype=torch.float64)
+        self.step = 0
+        self.handles: list[Any] = []
+        self.events: list[Event] = []
+        self.rollbacks = 0
+        self.scale_at_min = 0
+        self.skipped = 0
+        self.slow_streak: dict[int | None, int] = {}
+
+    # ------------------------------------------------------------ hooks
+
+    def attach(self, module: torch.nn.Module) -> None:
+        if not self.g.enabled:
+            return
+        for p in module.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_hook(self._hook))
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor:
+        # The fault runs first and its zeros are what the reduction receives and what is
+        # measured: the injected drop really reaches DeepSpeed.
+        if faults.drops_grads(self.plan, self.step, self.rank):
+            grad = torch.zeros_like(grad)
+        self.local_sq += grad.detach().float().pow(2).sum().double()
+        return grad
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    # ------------------------------------------------------------ per step
+
+    def begin(self, step: int) -> None:
+        self.step = step + 1  # faults and events are numbered by the step being computed
+        self.local_sq.zero_()
+
+    def vector(self, module: torch.nn.Module) -> torch.Tensor:
+        v = torch.zeros(2 + 2 * self.world, dtype=torch.float64)
+        v[2 + self.rank] = math.sqrt(float(self.local_sq))
+        if self._fingerprint_due():
+            v[2 + self.world + self.rank] = _checksum(module)
+        return v
+
+    def _fingerprint_due(self) -> bool:
+        n = self.g.fingerprint_interval
+        return self.g.enabled and self.replicas and n > 0 and self.step % n == 0
+
+    def judge(
+        self, v: torch.Tensor, loss: float, lr: float, module: torch.nn.Module, engine: Any
+    ) -> list[Event]:
+        """Events for this step (identical on every rank)."""
+        if not self.g.enabled:
+            return []
+        step, w = self.step, self.world
+        out = self.watchdog.update(step, loss, lr)
+        norms = [float(x) for x in v[2 : 2 + w]]
+        out += health.grad_drops(step, norms, self.hosts, self.g)
+        if self._fingerprint_due():
+            prints = [float(x) for x in v[2 + w : 2 + 2 * w]]
+            if len(set(prints)) > 1:  # find the first parameter that differs, by name
+                names, sums = _per_param(module)
+                out += health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
+        n = self.g.comm_probe_interval
+        if n and w > 1 and step % n == 0:
+            times = health.send_times(self.plan, step, (1 << 20,))
+            slow = health.slow_ranks(step, times, self.hosts, self.g, "slow-comm")
+            # One slow probe on a busy host is noise; two in a row is a slow link.
+            flagged = {e.rank for e in slow}
+            self.slow_streak = {r: self.slow_streak.get(r, 0) + 1 for r in flagged}
+            out += [e for e in slow if self.slow_streak[e.rank] >= 2]
+        out += self._loss_scale(engine)
+        self.record(out)
+        return out
+
+    def _loss_scale(self, engine: Any) -> list[Event]:
+        out = []
+        skipped = int(engine.skipped_steps)
+        if skipped > self.skipped:  # DeepSpeed logs overflows at INFO only: surface them
+            scale = getattr(engine.optimizer, "cur_scale", None)
+            out.append(
+                Event(
+                    "skipped-step",
+                    self.step,
+                    "warn",
+                    f"optimizer step skipped (overflow); {skipped} so far, loss scale now {scale}",
+                )
+            )
+            self.skipped = skipped
+        if self.fp16:
+            scale = float(getattr(engine.optimizer, "cur_scale", 0.0))
+            self.scale_at_min = self.scale_at_min + 1 if scale <= self.min_loss_scale else 0
+            if self.scale_at_min >= self.g.loss_scale_stuck_steps:
+                out.append(
+                    Event(
+                        "loss-scale-stuck",
+                        self.step,
+                        "stop",
+                        f"fp16 loss scale at its minimum {scale:g} for"
+                        f" {self.scale_at_min} steps: gradients overflow every step",
+                    )
+                )
+        return out
+
+    def record(self, events: list[Event]) -> None:
+        self.events += events
+        if dist.is_main() and events:
+            with open(self.stage_dir / "guards.jsonl", "a") as fh:
+                for e in events:
+                    fh.write(json.dumps(e.to_dict()) + "\n")
+            for e in events:
+                print(f"[wonderland] {e.line()}", flush=True)
+
+    def decision(self, events: list[Event]) -> str:
+        if not events:
+            return "ok"
+        worst = max(events, key=lambda e: SEVERITY[e.policy]).policy
+        if worst == "rollback" and self.rollbacks >= self.g.max_rollbacks:
+            return "stop"
+        return worst
+
+    def summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self.events:
+            out[e.guard] = out.get(e.guard, 0) + 1
+        return out
+
+
+def _checksum(module: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(
+            sum(
+                p.detach().double().sum() * (i + 1)
+                for i, p in enumerate(module.parameters())
+                if p.numel() > 0
+            )
+        )
+
+
+def _per_param(module: torch.nn.Module) -> tuple[list[str], list[float]]:
+    with torch.no_grad():
+        pairs = [(n, float(p.detach().double().sum())) for n, p in module.named_parameters()]
+    return [n for n, _ in pairs], [s for _, s in pairs]

@@ -1,0 +1,154 @@
+"""Stage 17's figures, written next to report.json with matplotlib's Agg backend (no display).
+
+* ``recall_per_class.png``: per-class recall of the baseline and the checkpoint side by side;
+  minority classes shaded and labelled, the minority floor drawn, gate failures marked.
+* ``confusion_matrix.png``: the checkpoint's confusion matrix, coloured by the share of each
+  true class (so a 5-sample minority row is as visible as a 45-sample one), counts written in.
+* ``training_curves.png``: loss and LR against the global step for stages 15 and 16, read
+  from their ``metrics.csv`` (left out when neither exists).
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+MINORITY = "#d62728"
+COLORS = {"baseline": "#7f7f7f", "checkpoint": "#1f77b4", 15: "#ff7f0e", 16: "#1f77b4"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display, safe on every rank and node
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label(path: str) -> str:
+    """``stage16/global_step70`` for a checkpoint inside a run, else the folder's name."""
+    p = Path(path)
+    return f"{p.parent.parent.name}/{p.name}" if p.parent.name == "checkpoints" else p.name
+
+
+def _failed(report: dict[str, Any]) -> set[int]:
+    return {
+        int(f["path"].split()[-1])
+        for f in report["gate"]["findings"]
+        if f["severity"] == "error" and f["path"].startswith("class ")
+    }
+
+
+def _class_ticks(ax: Any, rows: list[dict[str, Any]], axis: str = "x") -> None:
+    labels = [f"{r['class']}\nminority" if r["minority"] else str(r["class"]) for r in rows]
+    ticks = range(len(rows))
+    if axis == "x":
+        ax.set_xticks(ticks, labels)
+        tick_labels = ax.get_xticklabels()
+    else:
+        ax.set_yticks(ticks, [t.replace("\n", " ") for t in labels])
+        tick_labels = ax.get_yticklabels()
+    for t, r in zip(tick_labels, rows):
+        if r["minority"]:
+            t.set_color(MINORITY)
+            t.set_fontweight("bold")
+
+
+def recall_bars(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    new, base = report["stage16"]["per_class"], report["stage15"]["per_class"]
+    failed = _failed(report)
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    for r in new:
+        if r["minority"]:
+            ax.axvspan(r["class"] - 0.5, r["class"] + 0.5, color=MINORITY, alpha=0.08, lw=0)
+    w = 0.38
+    for rows, side, who in ((base, -1, "baseline"), (new, 1, "checkpoint")):
+        xs = [r["class"] + side * w / 2 for r in rows]
+        ax.bar(xs, [r["recall"] for r in rows], w, color=COLORS[who],
+               label=f"{who} {label(report[who])}")  # fmt: skip
+        for x, r in zip(xs, rows):
+            ax.text(x, r["recall"] + 0.01, f"{r['recall']:.2f}", ha="center", va="bottom",
+                    fontsize=6.5, color=COLORS[who])  # fmt: skip
+    for c in failed:
+        ax.text(c, 1.1, "FAIL", ha="center", color=MINORITY, fontweight="bold")
+    floor = report["gate"]["minority_recall_floor"]
+    ax.axhline(floor, color=MINORITY, ls="--", lw=1, label=f"minority recall floor {floor}")
+    ax.set_ylim(0, 1.18)
+    ax.set_xlim(-0.6, len(new) - 0.4)
+    _class_ticks(ax, new)
+    ax.set_ylabel("recall on the held-out split")
+    ax.set_title(
+        f"Per-class recall (support {sum(r['support'] for r in new)}) - gate"
+        f" {report['gate']['verdict'].upper()}"
+        + (f": class {', '.join(map(str, sorted(failed)))}" if failed else "")
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def confusion(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    cm = report["stage16"]["confusion_matrix"]
+    rows = report["stage16"]["per_class"]
+    share = [[v / max(sum(row), 1) for v in row] for row in cm]
+    fig, ax = plt.subplots(figsize=(7, 6))
+    im = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    for i, row in enumerate(cm):
+        for j, v in enumerate(row):
+            if v:
+                color = "white" if share[i][j] > 0.6 else "black"
+                ax.text(j, i, str(v), ha="center", va="center", fontsize=8, color=color)
+    _class_ticks(ax, rows, "x")
+    _class_ticks(ax, rows, "y")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(f"Confusion matrix of {label(report['checkpoint'])} (counts)")
+    fig.colorbar(im, ax=ax, label="share of the true class")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_metrics(path: Path) -> dict[str, list[float]]:
+    with open(path, newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("loss") and r.get("lr")]
+    return {k: [float(r[k]) for r in rows] for k in ("step", "loss", "lr")}
+
+
+def training_curves(curves: dict[int, dict[str, list[float]]], path: Path) -> None:
+    plt = _pyplot()
+    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for stage, m in sorted(curves.items()):
+        ax_loss.plot(m["step"], m["loss"], color=COLORS[stage], lw=1, label=f"stage {stage}")
+        ax_lr.plot(m["step"], m["lr"], color=COLORS[stage], lw=1.5, label=f"stage {stage}")
+    if 16 in curves and curves[16]["step"]:
+        for ax in (ax_loss, ax_lr):
+            ax.axvline(curves[16]["step"][0] - 1, color="black", ls=":", lw=1)
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("training loss (log)")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("global step")
+    ax_loss.set_title("Training loss and LR, stages 15 and 16 (metrics.csv)")
+    for ax in (ax_loss, ax_lr):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(out: Path, report: dict[str, Any], metrics_csv: dict[int, Path]) -> list[str]:
+    """Write the figures into ``out``; returns their file names (relative to ``out``)."""
+    names = ["recall_per_class.png", "confusion_matrix.png"]
+    recall_bars(report, out / names[0])
+    confusion(report, out / names[1])
+    curves = {n: read_metrics(p) for n, p in metrics_csv.items() if p.is_file()}
+    if curves:
+        names.append("training_curves.png")
+        training_curves(curves, out / names[-1])
+    return names
