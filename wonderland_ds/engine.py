@@ -426,6 +426,7 @@ def fit(
             done = int(engine.global_steps)
             lr = float(engine.get_lr()[0])
             events = guards.judge(vec, last_loss, lr, engine.module, engine)
+            run.fault.step_done(step + 1)
             decision = guards.decision(events)
             if decision == "stop":
                 if dist.is_main():

@@ -122,11 +122,13 @@ def metrics(task: Task, pred: np.ndarray) -> dict[str, Any]:
 
 def gate(
     task: Task, new: dict[str, Any], base: dict[str, Any], margin: float, floor: float
-) -> list[Finding]:
-    out = []
+) -> tuple[list[Finding], list[int]]:
+    """The gate's findings, and the classes that failed it (sorted)."""
+    out, failed = [], set()
     for row, old in zip(new["per_class"], base["per_class"]):
         c, drop = row["class"], old["recall"] - row["recall"]
         if drop > margin:
+            failed.add(c)
             out.append(
                 Finding(
                     "gate-recall-drop",
@@ -134,22 +136,19 @@ def gate(
                     f"class {c}: recall {old['recall']:.3f} -> {row['recall']:.3f}"
                     f" (drop {drop:.3f} > margin {margin})",
                     "inspect stage 16's data and LR; re-run from stage 15",
-                    "",
-                    f"class {c}",
                 )
             )
         if c in task.minority_classes and row["recall"] < floor:
+            failed.add(c)
             out.append(
                 Finding(
                     "gate-minority-floor",
                     "error",
                     f"minority class {c}: recall {row['recall']:.3f} < floor {floor}",
                     "stage 16 collapsed a minority class",
-                    "",
-                    f"class {c}",
                 )
             )
-    return out or [Finding("gate", "ok", "no class regressed beyond the margin")]
+    return out or [Finding("gate", "ok", "no class regressed beyond the margin")], sorted(failed)
 
 
 def run_holding(path: Path) -> Path | None:
@@ -178,13 +177,13 @@ def _baseline(args: argparse.Namespace, home: Path) -> Path:
 
 def table(report: dict[str, Any]) -> list[str]:
     """The per-class table a person reads first (stdout and report.md share it)."""
-    failed = {f["path"] for f in report["gate"]["findings"] if f["severity"] == "error"}
+    failed = set(report["gate"]["failed_classes"])
     rows = [
         "| class | minority | support | recall (baseline) | recall (checkpoint) | f1 | gate |",
         "|---|---|---|---|---|---|---|",
     ]
     for new, old in zip(report["stage16"]["per_class"], report["stage15"]["per_class"]):
-        mark = "FAIL" if f"class {new['class']}" in failed else ""
+        mark = "FAIL" if new["class"] in failed else ""
         rows.append(
             f"| {new['class']} | {'yes' if new['minority'] else ''} | {new['support']}"
             f" | {old['recall']:.3f} | {new['recall']:.3f} | {new['f1']:.3f} | {mark} |"
@@ -236,7 +235,7 @@ def run_eval(
     base_dir = _baseline(args, home)
     new = metrics(task, gathered_predictions(task, plan.source))
     base = metrics(task, gathered_predictions(task, base_dir))
-    verdict = gate(
+    verdict, failed_classes = gate(
         task, new, base, settings.eval.recall_drop_margin, settings.eval.minority_recall_floor
     )
     failed = [f for f in verdict if f.severity == "error"]
@@ -249,6 +248,7 @@ def run_eval(
             "verdict": "fail" if failed else "pass",
             "recall_drop_margin": settings.eval.recall_drop_margin,
             "minority_recall_floor": settings.eval.minority_recall_floor,
+            "failed_classes": failed_classes,
             "findings": [f.to_dict() for f in verdict],
         },
         "plots": [],

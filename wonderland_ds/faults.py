@@ -69,6 +69,8 @@ class FaultPlan:
     base_transfer_s: float = 2e-3
     """The last healthy transfer time this rank measured: the slow fault sleeps a multiple."""
 
+    _consumed: set[Fault] = field(default_factory=set)
+
     def at(self, point: str, step: int, rank: int, kind: str | None = None) -> list[Fault]:
         return [
             f
@@ -77,7 +79,13 @@ class FaultPlan:
             and f.rank == rank
             and (kind is None or f.kind == kind)
             and f.active(step)
+            and f not in self._consumed
         ]
+
+    def step_done(self, step: int) -> None:
+        """One-shot faults act on one pass through their step: a bad batch, not a bad step
+        number. After a rollback the same step number runs on other data, without them."""
+        self._consumed |= {f for f in self.faults if f.kind in ONE_SHOT and f.active(step)}
 
     def announce(self, f: Fault, step: int, rank: int) -> None:
         key = (f, rank, step if f.kind in ONE_SHOT else -1)
@@ -147,7 +155,7 @@ def corrupt_loss(plan: FaultPlan, loss: torch.Tensor, step: int, rank: int) -> t
         plan.announce(f, step, rank)
         loss = loss * float("nan")
     for f in plan.faults:
-        if f.kind == "spike" and f.active(step):  # every rank: a real loss spike
+        if f.kind == "spike" and f.active(step) and f not in plan._consumed:  # every rank
             plan.announce(f, step, rank)
             loss = loss * f.factor
     return loss

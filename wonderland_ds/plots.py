@@ -33,14 +33,6 @@ def label(path: str) -> str:
     return f"{p.parent.parent.name}/{p.name}" if p.parent.name == "checkpoints" else p.name
 
 
-def _failed(report: dict[str, Any]) -> set[int]:
-    return {
-        int(f["path"].split()[-1])
-        for f in report["gate"]["findings"]
-        if f["severity"] == "error" and f["path"].startswith("class ")
-    }
-
-
 def _class_ticks(ax: Any, rows: list[dict[str, Any]], axis: str = "x") -> None:
     labels = [f"{r['class']}\nminority" if r["minority"] else str(r["class"]) for r in rows]
     ticks = range(len(rows))
@@ -59,7 +51,7 @@ def _class_ticks(ax: Any, rows: list[dict[str, Any]], axis: str = "x") -> None:
 def recall_bars(report: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     new, base = report["stage16"]["per_class"], report["stage15"]["per_class"]
-    failed = _failed(report)
+    failed = report["gate"]["failed_classes"]
     fig, ax = plt.subplots(figsize=(10, 5.2))
     for r in new:
         if r["minority"]:
@@ -67,11 +59,11 @@ def recall_bars(report: dict[str, Any], path: Path) -> None:
     w = 0.38
     for rows, side, who in ((base, -1, "baseline"), (new, 1, "checkpoint")):
         xs = [r["class"] + side * w / 2 for r in rows]
-        ax.bar(xs, [r["recall"] for r in rows], w, color=COLORS[who],
-               label=f"{who} {label(report[who])}")  # fmt: skip
+        name = f"{who} {label(report[who])}"
+        ax.bar(xs, [r["recall"] for r in rows], w, color=COLORS[who], label=name)
         for x, r in zip(xs, rows):
-            ax.text(x, r["recall"] + 0.01, f"{r['recall']:.2f}", ha="center", va="bottom",
-                    fontsize=6.5, color=COLORS[who])  # fmt: skip
+            value = f"{r['recall']:.2f}"
+            ax.text(x, r["recall"] + 0.01, value, ha="center", va="bottom", fontsize=6.5)
     for c in failed:
         ax.text(c, 1.1, "FAIL", ha="center", color=MINORITY, fontweight="bold")
     floor = report["gate"]["minority_recall_floor"]
@@ -83,7 +75,7 @@ def recall_bars(report: dict[str, Any], path: Path) -> None:
     ax.set_title(
         f"Per-class recall (support {sum(r['support'] for r in new)}) - gate"
         f" {report['gate']['verdict'].upper()}"
-        + (f": class {', '.join(map(str, sorted(failed)))}" if failed else "")
+        + (f": class {', '.join(map(str, failed))}" if failed else "")
     )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()

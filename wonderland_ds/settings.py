@@ -40,7 +40,7 @@ class Guards(_Strict):
     """Verify the all-reduce at stage start; None: on for stage 16, off elsewhere."""
     slow_factor: float = Field(1.25, gt=1.0)
     """A rank whose transfers take this many times the median of the others is slow."""
-    slow_min_ms: float = Field(2.0, ge=0.0)
+    slow_min_ms: float = Field(1.0, ge=0.0)
     """...and at least this many milliseconds slower (sub-millisecond timings are noise)."""
     slow_policy: Literal["warn", "stop"] = "warn"
     comm_probe_interval: int = Field(50, ge=0)

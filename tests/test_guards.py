@@ -1,0 +1,155 @@
+"""Health guards on real gloo ranks (issue 5): every injected fault is detected, with its
+latency in steps; policies stop or roll back; a clean 2,000-step run raises no alarm."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.util import REPO, wonderland
+
+pytestmark = pytest.mark.slow
+GUARDS_WARN = str(REPO / "tests" / "configs" / "tiny_guards_warn.json")
+CLEAN = str(REPO / "tests" / "configs" / "tiny_clean_2000.json")
+
+
+def events(stage_dir: Path) -> list[dict]:
+    path = stage_dir / "guards.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def first(evts: list[dict], guard: str) -> dict:
+    return next(e for e in evts if e["guard"] == guard)
+
+
+@pytest.fixture
+def run16(stage15_fp32, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(stage15_fp32, run)
+    return run
+
+
+def test_every_fault_is_detected_with_its_latency(run16):
+    faults = (
+        "slow@comm:rank=1:factor=2,drop@grad:rank=1:step=50:until=51,"
+        "spike@step:step=60:factor=4,perturb@step:rank=1:step=66,nan@step:step=78"
+    )
+    r = wonderland(
+        "train",
+        "--stage",
+        "16",
+        "--config",
+        GUARDS_WARN,
+        "--run-dir",
+        str(run16),
+        "--resume",
+        "auto",
+        "--steps",
+        "40",
+        "--fault",
+        faults,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    for kind in (
+        "slow at comm",
+        "drop at grad step 50 rank 1",
+        "spike at step step 60",
+        "perturb at step step 66 rank 1",
+        "nan at step step 78",
+    ):
+        assert f"FAULT INJECTED: {kind}" in out, kind  # each fault really happened
+    evts = events(run16 / "stage16")
+    slow = first(evts, "slow-rank")
+    assert slow["step"] == 0 and slow["rank"] == 1  # named by the start check
+    drop = first(evts, "grad-drop")
+    assert drop["step"] == 50 and drop["rank"] == 1  # latency 0 steps (target: 10)
+    assert first(evts, "loss-spike")["step"] == 60  # at the step
+    div = first(evts, "replica-divergence")
+    assert div["step"] == 70 and div["rank"] == 1  # the next fingerprint (every 5 steps)
+    assert "body.0.weight" in div["message"]
+    assert first(evts, "loss-nan")["step"] == 78  # at the step
+    assert first(evts, "slow-comm")["rank"] == 1  # the in-training probe names it too
+    check = json.loads((run16 / "stage16" / "allreduce_check.json").read_text())
+    assert all(row["allreduce_ok"] for row in check["ranks"])
+    assert check["ranks"][1]["send_ratio"] > 1.25
+
+
+def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
+    r = wonderland(
+        "train",
+        "--stage",
+        "16",
+        "--config",
+        str(REPO / "tests" / "configs" / "tiny_zero2_fp32.json"),
+        "--run-dir",
+        str(run16),
+        "--resume",
+        "auto",
+        "--optimizer-state",
+        "--scheduler-state",
+        "--steps",
+        "20",
+        "--fault",
+        "drop@grad:rank=1:step=45",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert "[grad-drop]" in out and "rank 1" in out and "Traceback" not in out
+    assert not list((run16 / "stage16" / "checkpoints").glob("global_step*"))
+    assert (run16 / "stage15" / "checkpoints" / "latest").read_text() == "global_step40"
+    report = json.loads((run16 / "stage16" / "guard_report.json").read_text())
+    assert report["stopped_at_step"] == 45
+    manifest = json.loads((run16 / "run.json").read_text())
+    assert manifest["stages"]["16"]["status"] == "guard-stopped"
+
+
+def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path):
+    cfg = json.loads(Path(GUARDS_WARN).read_text())
+    cfg["wonderland"]["guards"].update({"spike_policy": "rollback", "allreduce_check": False})
+    path = tmp_path / "rollback.json"
+    path.write_text(json.dumps(cfg))
+    r = wonderland(
+        "train",
+        "--stage",
+        "16",
+        "--config",
+        str(path),
+        "--run-dir",
+        str(run16),
+        "--resume",
+        "auto",
+        "--steps",
+        "40",
+        "--fault",
+        "spike@step:step=55:factor=8",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    roll = first(events(run16 / "stage16"), "rollback")
+    assert roll["step"] == 55 and "rolled back to global_step50" in roll["message"]
+    manifest = json.loads((run16 / "run.json").read_text())["stages"]["16"]
+    assert manifest["rollbacks"] == 1 and manifest["global_step"] == 80
+    meta = json.loads(
+        (run16 / "stage16" / "checkpoints" / "global_step80" / "wonderland_meta.json").read_text()
+    )
+    # 40 steps of 128 samples, plus the 5 skipped steps' batches (51..55), after stage 15's 1920.
+    assert meta["data"]["samples_consumed"] == 1920 + 45 * 128
+    import csv
+
+    with open(run16 / "stage16" / "metrics.csv") as fh:
+        steps = [int(row["step"]) for row in csv.DictReader(fh)]
+    assert steps == list(range(41, 81))  # the rolled-back steps are not in the curve twice
+
+
+def test_clean_2000_step_run_raises_no_alarm(tmp_path):
+    run = tmp_path / "run"
+    r = wonderland("train", "--stage", "15", "--config", CLEAN, "--run-dir", str(run), timeout=400)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    manifest = json.loads((run / "run.json").read_text())["stages"]["15"]
+    assert manifest["global_step"] == 2000
+    assert events(run / "stage15") == [] and manifest["guard_events"] == {}
+    assert (run / "stage15" / "allreduce_check.json").exists()  # the check did run

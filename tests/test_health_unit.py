@@ -1,0 +1,87 @@
+"""The guards' detectors, fed plain numbers (no processes)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from wonderland_ds import faults, health
+from wonderland_ds.settings import Guards
+
+G = Guards()
+HOSTS = ["h0", "h1", "h2"]
+
+
+def test_nan_and_inf_are_caught_at_the_step():
+    w = health.LossWatchdog(G)
+    assert w.update(1, 2.0, 1e-3) == []
+    (e,) = w.update(2, float("nan"), 1e-3)
+    assert e.guard == "loss-nan" and e.step == 2 and e.policy == "stop"
+    assert w.update(3, math.inf, 1e-3)[0].guard == "loss-nan"
+
+
+def test_a_4x_spike_is_caught_and_noise_is_not():
+    rng = random.Random(0)
+    w = health.LossWatchdog(G)
+    for step in range(1, 200):
+        assert w.update(step, 0.5 + rng.uniform(-0.05, 0.05), 1e-3) == [], step
+    (e,) = w.update(200, 2.0, 1e-3)
+    assert e.guard == "loss-spike" and "x the rolling median" in e.message
+
+
+def test_spikes_need_history_and_an_absolute_jump():
+    w = health.LossWatchdog(G)
+    assert w.update(1, 0.1, 1e-3) == [] and w.update(2, 5.0, 1e-3) == []  # no history yet
+    w = health.LossWatchdog(G)
+    for step in range(1, 60):
+        w.update(step, 0.0002, 1e-3)
+    assert w.update(60, 0.002, 1e-3) == []  # 10x, but 0.0018 is below spike_min_delta
+
+
+def test_plateau_only_when_enabled_and_lr_not_decreasing():
+    losses = [1.0] * 40
+    w = health.LossWatchdog(G)
+    assert all(w.update(i, x, 1e-3) == [] for i, x in enumerate(losses))  # off by default
+    w = health.LossWatchdog(Guards(plateau_window=10))
+    events = [e for i, x in enumerate(losses) for e in w.update(i, x, 1e-3)]
+    assert events and events[0].guard == "loss-plateau" and events[0].step == 19
+    w = health.LossWatchdog(Guards(plateau_window=10))
+    assert not [e for i, x in enumerate(losses) for e in w.update(i, x, 1e-3 / (i + 1))]
+
+
+def test_gradient_drop_detection():
+    (e,) = health.grad_drops(7, [1.2, 0.0], HOSTS, G)
+    assert e.rank == 1 and e.host == "h1" and "dropped" in e.message
+    (e,) = health.grad_drops(7, [1.2, float("nan"), 1.1], HOSTS, G)
+    assert e.rank == 1
+    (e,) = health.grad_drops(7, [1.2, 0.01, 1.1], HOSTS, G)
+    assert e.rank == 1 and "peers" in e.message
+    assert health.grad_drops(7, [1.2, 0.01], HOSTS, G) == []  # 2 ranks: no one to side with
+    assert health.grad_drops(7, [1.0, 1.3, 0.9], HOSTS, G) == []
+
+
+def test_slow_rank_needs_ratio_and_absolute_gap():
+    (e,) = health.slow_ranks(0, [0.010, 0.021, 0.011], HOSTS, G)
+    assert e.rank == 1 and "2.0" in e.message
+    assert health.slow_ranks(0, [0.0003, 0.0009, 0.0003], HOSTS, G) == []  # sub-ms noise
+    assert health.slow_ranks(0, [0.010, 0.012, 0.011], HOSTS, G) == []
+
+
+def test_divergence_names_the_first_parameter_and_the_odd_rank():
+    prints = [[1.0, 2.0, 3.0], [1.0, 2.5, 3.0], [1.0, 2.0, 3.0]]
+    (e,) = health.divergence(50, prints, ["a.weight", "b.weight", "c"], HOSTS, G)
+    assert e.rank == 1 and "'b.weight'" in e.message and e.guard == "replica-divergence"
+    assert health.divergence(50, [[1.0], [1.0]], ["a"], HOSTS, G) == []
+
+
+def test_fault_grammar():
+    plan = faults.parse("drop@grad:rank=1:step=10:until=12,spike@step:step=40,slow@comm:rank=2")
+    drop, spike, slow = plan.faults
+    assert [drop.active(s) for s in (9, 10, 12, 13)] == [False, True, True, False]
+    assert spike.factor == 4.0 and spike.active(40) and not spike.active(41)
+    assert slow.factor == 2.0 and slow.active(0) and slow.active(10_000)
+    for bad in ("drop@step", "boom@step", "nan@step:rank=x", "kill@step:when=3"):
+        with pytest.raises(ValueError):
+            faults.parse(bad)
