@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import async_ckpt, faults, health, manifest
 from . import checkpoint as ck
 from . import distributed as dist
-from . import faults, health, manifest
 from .data import GlobalSampler, LoaderState, Prefetcher
 from .ds_config import DSConfig
 from .findings import Finding, GuardStop, Refused
@@ -99,19 +100,21 @@ def _rng_states() -> dict[str, Any]:
     }
 
 
-def save(run: StageRun, engine: Any, prog: Progress, loss: float | None) -> Path:
-    """A verified, crash-safe save (see checkpoint.py for the order of writes)."""
+def save(
+    run: StageRun, engine: Any, prog: Progress, loss: float | None, writer: async_ckpt.Writer
+) -> tuple[Path, float]:
+    """A verified, crash-safe save that blocks training only for an in-memory snapshot
+    (async_ckpt.py; checkpoint.py for the order of writes). Returns (tag dir, seconds the
+    loop was blocked)."""
+    t0 = time.perf_counter()
+    finish_pending(run, writer)  # back-pressure: the previous save completes first
     step = int(engine.global_steps)
     tag = ck.tag_for(step)
     tag_dir = run.ckpt_root / tag
     if dist.is_main():
         run.ckpt_root.mkdir(parents=True, exist_ok=True)
-        if tag_dir.exists():  # a save of this step that never completed: start it over
-            ck.retain(run.ckpt_root, run.settings.keep_last)
-            if tag_dir.exists() and ck.read_meta(tag_dir) is None:
-                import shutil
-
-                shutil.rmtree(tag_dir)
+        if tag_dir.exists() and ck.read_meta(tag_dir) is None:
+            shutil.rmtree(tag_dir)  # a save of this step that never completed: start over
     dist.barrier()
     state = loader_state(run, prog)
     client = {
@@ -126,47 +129,85 @@ def save(run: StageRun, engine: Any, prog: Progress, loss: float | None) -> Path
     }
     engine.save_checkpoint(str(run.ckpt_root), tag=tag, client_state=client, save_latest=False)
     rngs = dist.gather_all(_rng_states())
-    faults.maybe(run.fault, "save-after-shards", step)
-    dist.barrier()  # every rank's shards are on disk before anyone declares the save complete
+    rank = dist.rank()
+    writer.submit(lambda: async_ckpt.mark_done(tag_dir, rank))
     if dist.is_main():
-        torch.save({"ranks": rngs}, tag_dir / ck.RNG_FILE)
-        sched = engine.lr_scheduler
-        lbi = int(sched.last_batch_iteration) if sched is not None else None
-        scaler = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
-        meta = {
-            "stage": run.stage,
-            "global_step": step,
-            "skipped_steps": int(engine.skipped_steps),
-            "stage_start_step": prog.stage_start_step,
-            "has_optimizer_state": True,
-            "has_scheduler_state": sched is not None,
-            "scheduler": {
-                "type": run.cfg.scheduler.type if run.cfg.scheduler else None,
-                "last_batch_iteration": lbi,
-            },
-            "warmup_progress": None if lbi is None else lbi + 1,
-            "lr": float(engine.get_lr()[0]),
-            "world_size": dist.world_size(),
-            "zero_stage": int(engine.zero_optimization_stage()),
-            "precision": run.cfg.precision,
-            "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
-            "grad_acc": int(engine.gradient_accumulation_steps()),
-            "train_batch": int(engine.train_batch_size()),
-            "loss_scale": None if scaler is None else float(scaler),
-            "loss": loss,
-            "data": state.to_dict(),
-            "task": run.task.name,
-            "norm_stats": {"mean": prog.norm_mean, "std": prog.norm_std},
-            "rng_states": ck.RNG_FILE,
-            "versions": manifest.versions(),
-        }
-        faults.maybe(run.fault, "save-before-meta", step)
-        ck.write_meta(tag_dir, meta)
-        faults.maybe(run.fault, "save-before-latest", step)
-        ck.set_latest(run.ckpt_root, tag)
-        ck.retain(run.ckpt_root, run.settings.keep_last)
+        meta = _meta(run, engine, prog, loss, state)
+        timeout = float(run.settings.process_group_timeout_s)
+
+        def finalize() -> None:
+            # Only after every rank's shards are durably written: metadata last, then latest.
+            async_ckpt.wait_for_markers(tag_dir, dist.world_size(), timeout)
+            faults.maybe(run.fault, "save-after-shards", step, 0)
+            torch.save({"ranks": rngs}, tag_dir / ck.RNG_FILE)
+            faults.maybe(run.fault, "save-before-meta", step, 0)
+            ck.write_meta(tag_dir, meta)
+            faults.maybe(run.fault, "save-before-latest", step, 0)
+            ck.set_latest(run.ckpt_root, tag)
+            for marker in tag_dir.glob(".done-rank*"):
+                marker.unlink()
+            ck.retain(run.ckpt_root, run.settings.keep_last)
+
+        writer.submit(finalize)
+    if not run.settings.async_save:
+        finish_pending(run, writer)
+    return tag_dir, time.perf_counter() - t0
+
+
+def finish_pending(run: StageRun, writer: async_ckpt.Writer) -> None:
+    """Wait for this rank's queued checkpoint writes (and on rank 0 the metadata), then for
+    every rank. A failed write stops the run: the previous checkpoint stays the newest."""
+    try:
+        writer.wait(timeout=float(run.settings.process_group_timeout_s) * 2)
+    except (OSError, TimeoutError, RuntimeError) as exc:
+        raise GuardStop(
+            [
+                Finding(
+                    "checkpoint-write",
+                    "error",
+                    f"writing a checkpoint failed on rank {dist.rank()}: {type(exc).__name__}: {exc}",
+                    "free disk space / fix the storage, then resume with --resume auto (the newest"
+                    " complete checkpoint is intact; partial files were removed)",
+                    str(run.ckpt_root),
+                )
+            ]
+        ) from exc
     dist.barrier()
-    return tag_dir
+
+
+def _meta(
+    run: StageRun, engine: Any, prog: Progress, loss: float | None, state: LoaderState
+) -> dict[str, Any]:
+    sched = engine.lr_scheduler
+    lbi = int(sched.last_batch_iteration) if sched is not None else None
+    scaler = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+    return {
+        "stage": run.stage,
+        "global_step": int(engine.global_steps),
+        "skipped_steps": int(engine.skipped_steps),
+        "stage_start_step": prog.stage_start_step,
+        "has_optimizer_state": True,
+        "has_scheduler_state": sched is not None,
+        "scheduler": {
+            "type": run.cfg.scheduler.type if run.cfg.scheduler else None,
+            "last_batch_iteration": lbi,
+        },
+        "warmup_progress": None if lbi is None else lbi + 1,
+        "lr": float(engine.get_lr()[0]),
+        "world_size": dist.world_size(),
+        "zero_stage": int(engine.zero_optimization_stage()),
+        "precision": run.cfg.precision,
+        "micro_batch": int(engine.train_micro_batch_size_per_gpu()),
+        "grad_acc": int(engine.gradient_accumulation_steps()),
+        "train_batch": int(engine.train_batch_size()),
+        "loss_scale": None if scaler is None else float(scaler),
+        "loss": loss,
+        "data": state.to_dict(),
+        "task": run.task.name,
+        "norm_stats": {"mean": prog.norm_mean, "std": prog.norm_std},
+        "rng_states": ck.RNG_FILE,
+        "versions": manifest.versions(),
+    }
 
 
 def loader_state(run: StageRun, prog: Progress) -> LoaderState:
@@ -377,6 +418,8 @@ def fit(
     )
     start_check(run, guards, verify)
     guards.attach(engine.module)
+    writer = async_ckpt.install(engine)
+    blocked: list[float] = []
 
     def loader_from(step: int) -> Prefetcher:
         return Prefetcher(
@@ -437,6 +480,7 @@ def fit(
                     write_metrics(run, rows, keep_upto=None)
                 rows = []
                 loader.close()
+                finish_pending(run, writer)
                 back = rollback(run, engine, prog, guards, log)
                 loader = loader_from(back)
                 continue
@@ -467,14 +511,25 @@ def fit(
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
                 rows = []
-                tag_dir = save(run, engine, prog, last_loss)
+                tag_dir, held = save(run, engine, prog, last_loss, writer)
+                blocked.append(held)
                 if log is not None:
-                    log(f"checkpoint {tag_dir} complete (sha256 verified metadata written last)")
+                    log(
+                        f"checkpoint {tag_dir.name} saved: training blocked {held:.3f} s;"
+                        " shards, sha256 metadata and latest follow in the background"
+                    )
+        finish_pending(run, writer)  # the stage's last checkpoint is complete before "ok"
     finally:
         loader.close()
         guards.close()
+        writer.close()
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
+    if log is not None and blocked:
+        log(
+            f"checkpoint {ck.tag_for(int(engine.global_steps))} complete (sha256 verified,"
+            " metadata written last)"
+        )
     elapsed = time.perf_counter() - t_start
     return {
         "steps": int(engine.global_steps) - first,
@@ -483,6 +538,7 @@ def fit(
         "seconds": round(elapsed, 3),
         "data_stall_fraction": round(wait_total / max(step_total, 1e-9), 6),
         "guard_events": guards.summary(),
+        "save_blocked_s": [round(b, 4) for b in blocked],
         "rollbacks": guards.rollbacks,
         "checkpoint": str(run.ckpt_root / ck.tag_for(int(engine.global_steps))),
     }

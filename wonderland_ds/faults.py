@@ -85,7 +85,7 @@ class FaultPlan:
     def step_done(self, step: int) -> None:
         """One-shot faults act on one pass through their step: a bad batch, not a bad step
         number. After a rollback the same step number runs on other data, without them."""
-        self._consumed |= {f for f in self.faults if f.kind in ONE_SHOT and f.active(step)}
+        self._consumed |= {f for f in self.faults if f.kind in ("nan", "spike") and f.active(step)}
 
     def announce(self, f: Fault, step: int, rank: int) -> None:
         key = (f, rank, step if f.kind in ONE_SHOT else -1)

@@ -47,6 +47,7 @@ class StepGuards:
         self.scale_at_min = 0
         self.skipped = 0
         self.slow_streak: dict[int | None, int] = {}
+        self.low_streak: dict[int | None, int] = {}
 
     # ------------------------------------------------------------ hooks
 
@@ -95,7 +96,16 @@ class StepGuards:
         step, w = self.step, self.world
         out = self.watchdog.update(step, loss, lr)
         norms = [float(x) for x in v[2 : 2 + w]]
-        out += health.grad_drops(step, norms, self.hosts, self.g)
+        drops = health.grad_drops(step, norms, self.hosts, self.g)
+        # Zero or non-finite counts at once; "far below its peers" only when it persists
+        # (one small micro-batch can have a small gradient; a dropping rank stays low).
+        low = {e.rank for e in drops if "peers" in e.message}
+        self.low_streak = {r: self.low_streak.get(r, 0) + 1 for r in low}
+        out += [
+            e
+            for e in drops
+            if e.rank not in low or self.low_streak[e.rank] >= self.g.grad_drop_patience
+        ]
         if self._fingerprint_due():
             prints = [float(x) for x in v[2 + w : 2 + 2 * w]]
             if len(set(prints)) > 1:  # find the first parameter that differs, by name

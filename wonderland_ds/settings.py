@@ -49,6 +49,9 @@ class Guards(_Strict):
     grad_drop_ratio: float = Field(0.1, gt=0.0, lt=1.0)
     """A rank whose local gradient norm is below this fraction of its peers' median (or zero,
     or non-finite) dropped its gradients."""
+    grad_drop_patience: int = Field(3, ge=1)
+    """Steps in a row a rank must stay below grad_drop_ratio before it is reported (a zero or
+    non-finite norm is reported at once)."""
     grad_drop_policy: Policy = "stop"
     fingerprint_interval: int = Field(50, ge=0)
     """Compare a parameter fingerprint across data-parallel replicas every N steps (0: never;
@@ -92,6 +95,9 @@ class WonderlandSettings(_Strict):
     """Per-stage override of ``train_steps``, keyed by stage number as a string: ``{"15": 600}``."""
     save_interval: int = Field(100, ge=1)
     """Save a checkpoint every this many optimizer steps (and always at the end of a stage)."""
+    async_save: bool = True
+    """Block training only for an in-memory snapshot per save; files, checksums, metadata and
+    ``latest`` are written in the background (false: wait for all of it at every save)."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)

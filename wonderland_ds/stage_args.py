@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from . import faults
@@ -106,7 +107,12 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="stage 17: folder for report.json, report.md and the plots (default RUN_DIR/stage17)",
     )
-    p.add_argument("--fault", type=fault_spec, help="fault injection, see faults.py / README")
+    p.add_argument(
+        "--fault",
+        type=fault_spec,
+        default=os.environ.get("WONDERLAND_FAULT") or None,
+        help="fault injection (default: $WONDERLAND_FAULT), see README",
+    )
     p.add_argument("--json", action="store_true", help="print the preflight report as JSON")
 
 

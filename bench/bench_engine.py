@@ -1,0 +1,240 @@
+"""Per-rank benchmark: wonderland's stage loop against a plain DeepSpeed loop, side by side.
+
+Launched by DeepSpeed's own launcher so both sides run in the same processes, on the same
+model, data, config and process count, alternating repetitions (A B C A B C ...) so the
+machine's noise hits every side alike:
+
+    OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_addr 127.0.0.1 --no_ssh_check \\
+        bench/bench_engine.py --task digits --zero 2 --steps 200 --reps 3 --out R.json
+
+Sides: ``raw`` (a hand-written DeepSpeed loop: in-memory batches, forward/backward/step, the
+loss .item() a step as every real loop logs it), ``wonderland`` (engine.fit with the guards on,
+defaults, no saves inside the timed window) and ``guards-off``. With ``--save`` it also times
+checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
+(time the loop is blocked, and time until the checkpoint is complete), plus the disk's
+sequential write speed measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from wonderland_ds import async_ckpt, cache, tasks  # noqa: E402
+from wonderland_ds import distributed as dist  # noqa: E402
+from wonderland_ds.engine import Progress, StageRun, build, fit, save  # noqa: E402
+from wonderland_ds.settings import Guards, WonderlandSettings  # noqa: E402
+
+
+def ds_config(zero: int, micro: int, gas: int, world: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": micro * gas * world,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": zero},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 1e-3,
+                "warmup_num_steps": 100,
+                "total_num_steps": 100000,
+            },
+        },
+    }
+
+
+def raw_loop(task, config: dict, steps: int) -> list[float]:
+    """What a team writes by hand: data indexed from memory, no checks."""
+    torch.manual_seed(0)
+    model = task.build_model()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config=config,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+    )
+    x, y = torch.from_numpy(task.train.x[:]), torch.from_numpy(task.train.y[:])
+    mb, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    g = torch.Generator().manual_seed(dist.rank())
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for _ in range(gas):
+            idx = torch.randint(0, len(y), (mb,), generator=g)
+            xb = x[idx]
+            if xb.is_floating_point():
+                xb = xb.bfloat16()
+            loss = task.loss(engine(xb), y[idx])
+            engine.backward(loss)
+            engine.step()
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    engine.destroy()
+    return times
+
+
+def wonderland_loop(task, config: dict, steps: int, guards: bool, run_dir: Path) -> list[float]:
+    settings = WonderlandSettings(
+        train_steps=steps, save_interval=10**9, log_interval=10**9, guards=Guards(enabled=guards)
+    )
+    from wonderland_ds.ds_config import DSConfig
+
+    run = StageRun(
+        stage=15,
+        run_dir=run_dir,
+        task=task,
+        ds_dict=config,
+        cfg=DSConfig.model_validate(config),
+        settings=settings,
+        seed=0,
+        steps=steps,
+    )
+    run.stage_dir.mkdir(parents=True, exist_ok=True)
+    engine = build(run, None if not task.normalize else _stats(task))
+    fit(run, engine, Progress(), None)
+    with open(run.stage_dir / "metrics.csv") as fh:
+        rows = list(__import__("csv").DictReader(fh))
+    engine.destroy()
+    return [float(r["step_s"]) for r in rows[:-1]]  # the last step includes the final save
+
+
+def _stats(task):
+    from wonderland_ds.tasks import normalization_stats
+
+    return normalization_stats(task.train.x[:])
+
+
+def disk_write_speed(folder: Path, mb: int = 512) -> float:
+    path = folder / "dd.bin"
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(mb):
+            fh.write(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+    took = time.perf_counter() - t0
+    path.unlink()
+    return mb * (1 << 20) / took
+
+
+def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
+    settings = WonderlandSettings(keep_last=1)
+    from wonderland_ds.ds_config import DSConfig
+
+    run = StageRun(
+        stage=15,
+        run_dir=folder / "w",
+        task=task,
+        ds_dict=config,
+        cfg=DSConfig.model_validate(config),
+        settings=settings,
+        seed=0,
+        steps=1,
+    )
+    run.stage_dir.mkdir(parents=True, exist_ok=True)
+    engine = build(run, None if not task.normalize else _stats(task))
+    params = sum(p.numel() for p in engine.module.parameters())
+    out: dict = {"params": params, "ds_sync_s": [], "wl_blocked_s": [], "wl_complete_s": []}
+    prog = Progress()
+    for rep in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.save_checkpoint(str(folder / "ds"), tag=f"r{rep}")
+        dist.barrier()
+        out["ds_sync_s"].append(time.perf_counter() - t0)
+        engine.global_steps = rep + 1
+        original = engine.checkpoint_engine
+        writer = async_ckpt.install(engine)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, blocked = save(run, engine, prog, None, writer)
+        out["wl_blocked_s"].append(blocked)
+        writer.wait()
+        dist.barrier()
+        out["wl_complete_s"].append(time.perf_counter() - t0)
+        engine.checkpoint_engine = original  # DeepSpeed's own engine for the next sync save
+        writer.close()
+    tag = folder / "w" / "stage15" / "checkpoints" / f"global_step{reps}"
+    out["checkpoint_bytes"] = sum(p.stat().st_size for p in tag.iterdir())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--task", default="digits")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=16)
+    ap.add_argument("--gas", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--save", type=int, default=0, help="save repetitions (0: no save bench)")
+    ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument("--local_rank", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init(600)
+    world = dist.world_size()
+    raw_task = tasks.pylm(args.dim, args.layers) if args.task == "pylm" else tasks.load(args.task)
+    folder = Path(tempfile.mkdtemp(prefix="wl-bench-")) if dist.is_main() else None
+    folder = dist.broadcast(folder)
+    if dist.is_main():
+        cache.write(raw_task.materialize(), folder / "cache")
+    dist.barrier()
+    task = cache.open_task(raw_task, folder / "cache")
+    config = ds_config(args.zero, args.micro, args.gas, world)
+    result: dict = {
+        "task": args.task,
+        "zero": args.zero,
+        "world": world,
+        "micro": args.micro,
+        "gas": args.gas,
+        "steps": args.steps,
+        "reps": args.reps,
+    }
+    if not args.skip_steps:
+        sides: dict[str, list[float]] = {"raw": [], "wonderland": [], "guards-off": []}
+        for rep in range(args.reps):
+            sides["raw"].append(statistics.median(raw_loop(task, config, args.steps)[5:]))
+            sides["wonderland"].append(
+                statistics.median(
+                    wonderland_loop(task, config, args.steps, True, folder / f"on{rep}")[5:]
+                )
+            )
+            sides["guards-off"].append(
+                statistics.median(
+                    wonderland_loop(task, config, args.steps, False, folder / f"off{rep}")[5:]
+                )
+            )
+        result["median_step_s"] = sides
+    if args.save:
+        if dist.is_main():
+            result["disk_write_Bps"] = disk_write_speed(folder)
+        result["save"] = save_bench(task, config, args.save, folder)
+    if dist.is_main():
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

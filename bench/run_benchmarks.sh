@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Runs the engine benchmarks and prints their JSON; BENCHMARKS.md quotes the output.
+#   bash bench/run_benchmarks.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench/results}
+mkdir -p "$out"
+DS=.venv/bin/deepspeed
+export OMP_NUM_THREADS=1
+launch() {  # NPROC OUT ARGS...
+  local n=$1 name=$2; shift 2
+  $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 --master_port $((29600 + RANDOM % 300)) \
+    bench/bench_engine.py --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+  echo "== $name"; cat "$out/$name.json"
+}
+# 1. step time, wonderland (guards on) vs a plain DeepSpeed loop vs guards off, ZeRO 1/2/3
+for z in 1 2 3; do launch 2 "steps_digits_z$z" --task digits --zero "$z" --steps 150 --reps 3; done
+launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 30 --reps 2
+# 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks
+launch 2 save_pylm_25m --task pylm --dim 512 --layers 8 --micro 2 --gas 1 --zero 2 --skip-steps --save 3
