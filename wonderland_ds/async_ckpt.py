@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,13 @@ def snapshot(obj: Any, memo: dict[int, Any] | None = None) -> Any:
             memo[key] = storage.clone()
         out = torch.empty(0, dtype=t.dtype, device=t.device)
         return out.set_(memo[key], t.storage_offset(), t.size(), t.stride())
-    if isinstance(obj, dict):
+    # Exact types only: subclasses (torch.Size, defaultdict, named tuples) keep their type
+    # through deepcopy below, and DeepSpeed's loaders rely on them (e.g. Size.numel()).
+    if type(obj) in (dict, OrderedDict):
         return type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
-    if isinstance(obj, list):
+    if type(obj) is list:
         return [snapshot(v, memo) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+    if type(obj) is tuple:
         return tuple(snapshot(v, memo) for v in obj)
     if isinstance(obj, (str, int, float, bool, type(None))):
         return obj
@@ -51,7 +54,8 @@ class Writer:
     """One background thread per rank, jobs in order; the first error is kept and raised by
     :meth:`wait`, and every later job is skipped (no half-finished checkpoint is completed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hook: Callable[[str], None] | None = None) -> None:
+        self.hook = hook or (lambda point: None)
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
@@ -86,9 +90,15 @@ class Writer:
                 torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
+                self.hook("mid-file")
                 os.replace(tmp, path)
-            except BaseException:
+                self.hook("after-file")
+            except BaseException as exc:
                 Path(tmp).unlink(missing_ok=True)  # never leave a partial file behind
+                if isinstance(exc, Exception):  # torch's zip writer hides the errno (EFBIG...)
+                    raise OSError(
+                        f"could not write {path}: {exc} (disk full, quota or file-size limit?)"
+                    ) from exc
                 raise
 
         self.submit(job)
@@ -126,8 +136,8 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         self.writer.write(snapshot(state_dict), path, self.zipfile_serialization)
 
 
-def install(engine: Any) -> Writer:
-    writer = Writer()
+def install(engine: Any, hook: Callable[[str], None] | None = None) -> Writer:
+    writer = Writer(hook)
     engine.checkpoint_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, writer)
     return writer
 

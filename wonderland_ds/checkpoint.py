@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,7 +247,46 @@ def newest_complete(root: Path, deep: bool = True, skip: set[Path] | None = None
     return None
 
 
-def retain(root: Path, keep_last: int) -> list[Path]:
+Hook = Callable[[str], None]
+
+
+def _noop(point: str) -> None:
+    return None
+
+
+def finalize(
+    root: Path,
+    tag_dir: Path,
+    world: int,
+    meta: dict[str, Any],
+    rngs: list[Any],
+    keep_last: int,
+    timeout_s: float,
+    hook: Hook = _noop,
+) -> None:
+    """Complete a save once every rank's shards are durable (their ``.done-rankR`` markers):
+    RNG states, then the metadata (the checkpoint is now complete), then ``latest``, then
+    retention. ``hook(point)`` runs at each named point (fault injection, crash tests)."""
+    import torch
+
+    from .async_ckpt import wait_for_markers
+
+    wait_for_markers(tag_dir, world, timeout_s)
+    hook("after-shards")
+    tmp = tag_dir / f".{RNG_FILE}.tmp"
+    torch.save({"ranks": rngs}, tmp)
+    os.replace(tmp, tag_dir / RNG_FILE)
+    hook("before-meta")
+    write_meta(tag_dir, meta)
+    hook("before-latest")
+    set_latest(root, tag_dir.name)
+    hook("after-latest")
+    for marker in tag_dir.glob(".done-rank*"):
+        marker.unlink()
+    retain(root, keep_last, hook)
+
+
+def retain(root: Path, keep_last: int, hook: Hook = _noop) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete folders
     older than the newest complete one. The newest complete checkpoint is never deleted, even
     if ``latest`` is damaged: deletion renames first, so a crash leaves a ``.deleting-`` folder
@@ -264,6 +304,7 @@ def retain(root: Path, keep_last: int) -> list[Path]:
             continue
         trash = p.with_name(f".deleting-{p.name}")
         os.replace(p, trash)
+        hook("retain-renamed")
         shutil.rmtree(trash, ignore_errors=True)
         removed.append(p)
     for stale in root.glob(".deleting-*"):

@@ -127,6 +127,7 @@ def save(
             "norm_std": prog.norm_std,
         },
     }
+    faults.limit_file_size(run.fault, step, dist.rank())
     engine.save_checkpoint(str(run.ckpt_root), tag=tag, client_state=client, save_latest=False)
     rngs = dist.gather_all(_rng_states())
     rank = dist.rank()
@@ -137,16 +138,16 @@ def save(
 
         def finalize() -> None:
             # Only after every rank's shards are durably written: metadata last, then latest.
-            async_ckpt.wait_for_markers(tag_dir, dist.world_size(), timeout)
-            faults.maybe(run.fault, "save-after-shards", step, 0)
-            torch.save({"ranks": rngs}, tag_dir / ck.RNG_FILE)
-            faults.maybe(run.fault, "save-before-meta", step, 0)
-            ck.write_meta(tag_dir, meta)
-            faults.maybe(run.fault, "save-before-latest", step, 0)
-            ck.set_latest(run.ckpt_root, tag)
-            for marker in tag_dir.glob(".done-rank*"):
-                marker.unlink()
-            ck.retain(run.ckpt_root, run.settings.keep_last)
+            ck.finalize(
+                run.ckpt_root,
+                tag_dir,
+                dist.world_size(),
+                meta,
+                rngs,
+                run.settings.keep_last,
+                timeout,
+                lambda point: faults.maybe(run.fault, f"save-{point}", step, 0),
+            )
 
         writer.submit(finalize)
     if not run.settings.async_save:
@@ -155,24 +156,35 @@ def save(
 
 
 def finish_pending(run: StageRun, writer: async_ckpt.Writer) -> None:
-    """Wait for this rank's queued checkpoint writes (and on rank 0 the metadata), then for
-    every rank. A failed write stops the run: the previous checkpoint stays the newest."""
+    """Wait for this rank's queued checkpoint writes (and on rank 0 the metadata), then agree
+    with every rank. A failed write on any rank stops every rank (exit 3): the half-written
+    checkpoint is removed and the previous complete one stays the newest."""
+    error = None
     try:
         writer.wait(timeout=float(run.settings.process_group_timeout_s) * 2)
     except (OSError, TimeoutError, RuntimeError) as exc:
-        raise GuardStop(
-            [
-                Finding(
-                    "checkpoint-write",
-                    "error",
-                    f"writing a checkpoint failed on rank {dist.rank()}: {type(exc).__name__}: {exc}",
-                    "free disk space / fix the storage, then resume with --resume auto (the newest"
-                    " complete checkpoint is intact; partial files were removed)",
-                    str(run.ckpt_root),
-                )
-            ]
-        ) from exc
-    dist.barrier()
+        error = f"rank {dist.rank()}: {type(exc).__name__}: {exc}"
+    errors = [e for e in dist.gather_all(error) if e]
+    if not errors:
+        return
+    if dist.is_main():
+        newest = ck.newest_complete(run.ckpt_root, deep=False)
+        for _step, path in ck.tags(run.ckpt_root):
+            if ck.read_meta(path) is None and (newest is None or path != newest.tag_dir):
+                shutil.rmtree(path, ignore_errors=True)
+    raise GuardStop(
+        [
+            Finding(
+                "checkpoint-write",
+                "error",
+                f"writing a checkpoint failed on {e}",
+                "free disk space / fix the storage, then resume with --resume auto (the newest"
+                " complete checkpoint is intact; the partial one was removed)",
+                str(run.ckpt_root),
+            )
+            for e in errors
+        ]
+    )
 
 
 def _meta(

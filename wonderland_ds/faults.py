@@ -15,6 +15,10 @@ first) to ``until`` (default: forever).
                               during training, a sleep before its gradient reduction
 ``perturb@step:rank=1:step=30``  rank 1's weights get noise after every step from 30 on
                               (a persistently faulty replica)
+``diskfull@save:step=20``     from the save of step 20 on, rank 0 cannot write more than 64 KiB
+                              per file (RLIMIT_FSIZE, a real EFBIG from the kernel: a full disk)
+``hang@step:step=25:rank=1``  rank 1 SIGSTOPs itself right after optimizer step 25 (a frozen
+                              process: the others block in their next collective)
 ==========================  ======================================================================
 
 Every injected fault prints ``FAULT INJECTED: ...`` to stderr when it first acts, so a test can
@@ -32,9 +36,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is not imported by `wonderland check` (it must stay fast)
     import torch
 
-KINDS = ("kill", "nan", "spike", "drop", "slow", "perturb")
-POINTS = ("step", "grad", "comm", "save-after-shards", "save-before-meta", "save-before-latest")
-ONE_SHOT = ("kill", "nan", "spike")
+KINDS = ("kill", "nan", "spike", "drop", "slow", "perturb", "hang", "diskfull")
+POINTS = (
+    "step",
+    "grad",
+    "comm",
+    "save",
+    "save-after-shards",
+    "save-after-latest",
+    "save-retain-renamed",
+    "save-before-meta",
+    "save-before-latest",
+)
+ONE_SHOT = ("kill", "nan", "spike", "hang")
 _VALID = {
     "kill": POINTS,
     "nan": ("step",),
@@ -42,6 +56,8 @@ _VALID = {
     "drop": ("grad",),
     "slow": ("comm",),
     "perturb": ("step",),
+    "hang": ("step",),
+    "diskfull": ("save",),
 }
 
 
@@ -139,7 +155,7 @@ def parse(spec: str | None) -> FaultPlan:
 
 
 def maybe(plan: FaultPlan, point: str, step: int, rank: int | None = None) -> None:
-    """Run the kill faults planned at this point (``rank`` defaults to this process's)."""
+    """Run the kill and hang faults planned at this point (``rank`` defaults to this process's)."""
     if not plan.faults:
         return
     from . import distributed as dist
@@ -148,6 +164,9 @@ def maybe(plan: FaultPlan, point: str, step: int, rank: int | None = None) -> No
     for f in plan.at(point, step, r, "kill"):
         plan.announce(f, step, r)
         os.kill(os.getpid(), signal.SIGKILL)
+    for f in plan.at(point, step, r, "hang"):
+        plan.announce(f, step, r)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: only SIGKILL/SIGCONT end it
 
 
 def corrupt_loss(plan: FaultPlan, loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
@@ -183,3 +202,13 @@ def perturb(plan: FaultPlan, module: torch.nn.Module, step: int, rank: int) -> N
                 if p.requires_grad and p.numel() > 0:
                     p.add_(torch.randn_like(p) * 1e-3)
                     break
+
+
+def limit_file_size(plan: FaultPlan, step: int, rank: int) -> None:
+    """diskfull: RLIMIT_FSIZE makes the kernel refuse writes past 64 KiB per file (EFBIG)."""
+    for f in plan.at("save", step, rank, "diskfull"):
+        import resource
+
+        plan.announce(f, step, rank)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an OSError instead of a dead process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
