@@ -207,3 +207,35 @@ def test_pipeline_15_to_18_bf16(tmp_path):
     state = torch.load(run / "stage18" / "model.pt", weights_only=True)
     assert export["source"].endswith("stage16/checkpoints/global_step80")
     assert "norm.mean" in state and "proj.weight" in state  # buffers and frozen weights too
+
+
+def test_disk_full_during_a_save(tmp_path):
+    """RLIMIT_FSIZE from the save of step 20 on (a real EFBIG from the kernel): a clear error,
+    exit 3, the partial checkpoint removed, step 10 intact and loadable."""
+    run = tmp_path / "run"
+    r = wonderland(
+        "train",
+        "--stage",
+        "15",
+        "--config",
+        TINY32,
+        "--run-dir",
+        str(run),
+        "--steps",
+        "30",
+        "--fault",
+        "diskfull@save:step=20",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert "FAULT INJECTED: diskfull at save step 20" in out  # the fault really happened
+    assert "[checkpoint-write]" in out and "disk full" in out and "Traceback" not in out
+    root = run / "stage15" / "checkpoints"
+    assert [p.name for p in sorted(root.glob("global_step*"))] == ["global_step10"]
+    assert (root / "latest").read_text() == "global_step10"
+    assert not list(root.rglob("*.tmp"))
+    from wonderland_ds import checkpoint as ck
+
+    assert ck.verify(root / "global_step10").complete
+    inspect = wonderland("inspect", str(root), "--json")
+    assert inspect.returncode == 0 and '"global_step": 10' in inspect.stdout
