@@ -51,7 +51,13 @@ def _stage_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
             if flag in ("baseline", "out") or (flag == "resume" and value != "auto"):
                 value = str(Path(value).resolve())
             out += [f"--{flag.replace('_', '-')}", str(value)]
-    for flag in ("optimizer_state", "scheduler_state", "allow_seed_change", "allow_data_change"):
+    for flag in (
+        "optimizer_state",
+        "scheduler_state",
+        "allow_seed_change",
+        "allow_data_change",
+        "trust_checkpoint",
+    ):
         if getattr(args, flag):
             out.append(f"--{flag.replace('_', '-')}")
     return out
@@ -100,17 +106,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
         entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
         if entry.get("status") == "running":
+            # Rank 0 records every failure it lives through (a timeout with the ranks that
+            # stopped answering): when it recorded none, rank 0 itself died or hung.
+            why = "rank 0 recorded no failure: rank 0 itself died or hung"
             manifest.update_stage(
                 run_dir,
                 args.stage,
                 status="failed",
                 finished=manifest.now(),
-                error=f"launcher exit code {rc}",
+                error=f"launcher exit code {rc}; {why}",
             )
+        else:
+            why = f"rank 0 reported: {entry.get('error') or 'no error text'}"
         print(
-            f"stage {args.stage} failed: the deepspeed launcher exited with {rc} (a rank died"
-            f" or crashed; see its output above). Continue with --resume auto --run-dir"
-            f" {run_dir}",
+            f"stage {args.stage} failed: the deepspeed launcher exited with {rc}; {why}"
+            f" (each rank's output is above). Continue with --resume auto --run-dir {run_dir}",
             file=sys.stderr,
         )
     return rc
@@ -161,6 +171,35 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     return rc
 
 
+def _live(stage_dir: Path, entry: dict) -> dict:
+    """Last metrics row, ETA while running, and guard events, read from the stage folder."""
+    import csv
+
+    out: dict = {}
+    try:
+        with open(stage_dir / "metrics.csv", newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except OSError:
+        rows = []
+    if rows:
+        out["last_metrics"] = rows[-1]
+        target = entry.get("end_step")
+        if entry.get("status") == "running" and target and len(rows) > 1:
+            per_step = (float(rows[-1]["wall"]) - float(rows[0]["wall"])) / (len(rows) - 1)
+            out["eta_s"] = round(max(0, target - int(rows[-1]["step"])) * per_step, 1)
+    try:
+        lines = (stage_dir / "guards.jsonl").read_text().splitlines()
+    except OSError:
+        lines = []
+    counts: dict[str, int] = {}
+    for line in lines:
+        guard = json.loads(line).get("guard", "?")
+        counts[guard] = counts.get(guard, 0) + 1
+    if counts:
+        out["warnings"] = counts
+    return out
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from . import checkpoint as ck
     from . import manifest
@@ -181,6 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         root = run_dir / f"stage{key}" / "checkpoints"
         newest = ck.newest_complete(root, deep=False)
         entry["latest_complete_checkpoint"] = str(newest.tag_dir) if newest else None
+        entry.update(_live(run_dir / f"stage{key}", entry))
     report = run_dir / "stage17" / "report.json"
     if report.exists():
         data["gate"] = json.loads(report.read_text())["gate"]["verdict"]
@@ -197,6 +237,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if e.get("latest_complete_checkpoint"):
             print(f"           latest complete checkpoint: {e['latest_complete_checkpoint']}")
+        if e.get("last_metrics"):
+            m = e["last_metrics"]
+            eta = f", ETA {e['eta_s']:.0f} s" if e.get("eta_s") is not None else ""
+            print(
+                f"           last step {m.get('step')}: loss {m.get('loss')} lr {m.get('lr')}{eta}"
+            )
+        for guard, count in (e.get("warnings") or {}).items():
+            print(f"           guard {guard}: {count} event(s)")
     if "gate" in data:
         print(f"  stage-17 gate: {data['gate']}")
     return EXIT_OK
@@ -267,14 +315,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _eval_config(home: Path | None, meta: dict[str, object]) -> str:
-    """The config the checkpoint's stage ran with (from its run.json), else the default."""
+def _eval_defaults(home: Path | None, meta: dict[str, object]) -> tuple[str, str | None]:
+    """The config and --task the checkpoint's stage ran with (from its run.json), else the
+    default config and the config's own task."""
     from . import manifest
     from .stage_args import DEFAULT_CONFIG
 
     stages = ((manifest.read(home) or {}).get("stages") or {}) if home else {}
-    used = (stages.get(str(meta.get("stage"))) or {}).get("config")
-    return used if isinstance(used, str) and Path(used).is_file() else str(DEFAULT_CONFIG)
+    entry = stages.get(str(meta.get("stage"))) or {}
+    used, argv = entry.get("config"), entry.get("argv") or []
+    config = used if isinstance(used, str) and Path(used).is_file() else str(DEFAULT_CONFIG)
+    task = argv[argv.index("--task") + 1] if "--task" in argv[:-1] else None
+    return config, task
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -320,7 +372,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             "pass --out DIR for the report",
         )
     meta = ck.read_meta(tag_dir) or {}
-    config = args.config or _eval_config(home, meta)
+    config, task = (args.config, args.task) if args.config else _eval_defaults(home, meta)
+    task = args.task or task
     argv = ["--stage", "17", "--config", config, "--run-dir", str(run_dir)]
     argv += ["--resume", str(tag_dir), "--hostfile", args.hostfile]
     seed = (meta.get("data") or {}).get("seed")
@@ -328,12 +381,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
         # Evaluation draws no random numbers: the checkpoint's own seed keeps the preflight's
         # seed rule (about stage 16's data order) from refusing it.
         argv += ["--seed", str(seed)]
-    for flag in ("baseline", "out", "task", "nproc", "master_port"):
+    argv += ["--task", task] if task else []
+    for flag in ("baseline", "out", "nproc", "master_port"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.allow_data_change:
         argv.append("--allow-data-change")
-    print(f"wonderland eval: {tag_dir} with {config}", file=sys.stderr if args.json else sys.stdout)
+    on = f" on task {task}" if task else ""
+    print(
+        f"wonderland eval: {tag_dir} with {config}{on}",
+        file=sys.stderr if args.json else sys.stdout,
+    )
     train_args = build_train_parser().parse_args(argv)
     if not args.json:
         return cmd_train(train_args)

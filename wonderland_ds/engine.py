@@ -12,6 +12,7 @@ import json
 import math
 import random
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from .ds_config import DSConfig
 from .findings import Finding, GuardStop, Refused
 from .guards import StepGuards
 from .health import Event
+from .monitor import MetricsSink, guard_figures
+from .progress import ProgressDisplay
 from .settings import WonderlandSettings
 from .tasks import Normalize, Task, normalization_stats
 
@@ -450,6 +453,21 @@ def fit(
     loader = loader_from(first)
     if dist.is_main():
         write_metrics(run, [], keep_upto=first)
+        manifest.update_stage(run.run_dir, run.stage, end_step=end)
+    display, sink = None, None
+    if log is not None:  # a real stage (benchmarks call fit without a log)
+        tokens = int(train.y.shape[1]) if run.task.kind == "lm" else None
+        display = ProgressDisplay(
+            run.stage, end, first, batch, tokens_per_sample=tokens, every=run.settings.log_interval
+        )
+        sink = MetricsSink(
+            run.ds_dict,
+            run.stage_dir,
+            engine=engine,
+            keep_upto=first,
+            samples_per_step=batch,
+            tokens_per_sample=tokens,
+        )
     rows: list[dict[str, Any]] = []
     last_loss: float | None = None
     t_start = time.perf_counter()
@@ -486,6 +504,8 @@ def fit(
             if decision == "stop":
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
+                if display is not None:
+                    display.close("stopped")
                 raise _stop(run, guards, events)
             if decision == "rollback":
                 if dist.is_main():
@@ -494,6 +514,9 @@ def fit(
                 loader.close()
                 finish_pending(run, writer)
                 back = rollback(run, engine, prog, guards, log)
+                if display is not None and sink is not None:
+                    display.rewind(back)
+                    sink.rewind(back)
                 loader = loader_from(back)
                 continue
             grad_norm = engine.get_global_grad_norm()
@@ -512,11 +535,21 @@ def fit(
                     "wall": f"{time.time():.3f}",
                 }
             )
-            if log is not None and (done % run.settings.log_interval == 0 or done == end):
-                log(
-                    f"stage {run.stage} step {done}/{end} loss {last_loss:.4f}"
-                    f" lr {lr:.3g} samples {prog.samples_consumed}"
-                    f" data-stall {100 * wait_total / max(step_total, 1e-9):.2f}%"
+            if display is not None and sink is not None:
+                scale = (
+                    getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+                )
+                display.step(rows[-1], loss_scale=scale)
+                window = guards.watchdog.losses[-run.settings.guards.spike_window :]
+                sink.write(
+                    rows[-1],
+                    loss_scale=scale,
+                    extra=guard_figures(
+                        [float(x) for x in vec[2 : 2 + world]],
+                        loss_median=statistics.median(window) if window else None,
+                        skipped_steps=int(engine.skipped_steps),
+                        events=len(guards.events),
+                    ),
                 )
             faults.maybe(run.fault, "step", done, rank)
             if done % run.settings.save_interval == 0 or done >= end:
@@ -525,23 +558,24 @@ def fit(
                 rows = []
                 tag_dir, held = save(run, engine, prog, last_loss, writer)
                 blocked.append(held)
-                if log is not None:
-                    log(
-                        f"checkpoint {tag_dir.name} saved: training blocked {held:.3f} s;"
-                        " shards, sha256 metadata and latest follow in the background"
-                    )
+                if display is not None and sink is not None:
+                    display.checkpoint(tag_dir, held, background=True)
+                    sink.flush()
         finish_pending(run, writer)  # the stage's last checkpoint is complete before "ok"
+        if display is not None and blocked:
+            display.note(
+                f"checkpoint {ck.tag_for(int(engine.global_steps))} complete (sha256"
+                " verified, metadata written last)"
+            )
     finally:
         loader.close()
         guards.close()
         writer.close()
+        if display is not None and sink is not None:
+            display.close()
+            sink.close()
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
-    if log is not None and blocked:
-        log(
-            f"checkpoint {ck.tag_for(int(engine.global_steps))} complete (sha256 verified,"
-            " metadata written last)"
-        )
     elapsed = time.perf_counter() - t_start
     return {
         "steps": int(engine.global_steps) - first,
