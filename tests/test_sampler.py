@@ -50,3 +50,25 @@ def test_resume_is_positional_and_seed_matters():
 def test_loader_state_epoch():
     st = LoaderState(seed=7, samples_consumed=2500, fingerprint="f", dataset_size=1000)
     assert st.epoch == 2 and st.to_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize("threshold", [0.0, 10.0])  # 0: always hand over to the thread
+def test_prefetcher_yields_the_same_batches_inline_or_threaded(threshold):
+    from wonderland_ds.data import Prefetcher
+
+    x = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
+    y = np.arange(200, dtype=np.int64)
+    s = GlobalSampler(200, seed=5)
+    p = Prefetcher(x, y, s, 40, micro=4, gas=2, world=2, rank=1, steps=12,
+                   thread_above_s=threshold)
+    got = [p.next() for _ in range(24)]
+    with pytest.raises(StopIteration):
+        p.next()
+    p.close()
+    assert p.threaded == (threshold == 0.0)
+    for i, mb in enumerate(got):
+        step, m = divmod(i, 2)
+        pos = 40 + step * 16 + (m * 2 + 1) * 4
+        assert mb.position == pos
+        assert mb.y.tolist() == s.indices(pos, 4).tolist()
+        assert np.array_equal(mb.x.numpy(), x[s.indices(pos, 4)])
