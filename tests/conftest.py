@@ -12,6 +12,22 @@ CORPUS = REPO / "tests" / "corpus" / "public_ds_configs"
 TINY32 = str(REPO / "tests" / "configs" / "tiny_zero2_fp32.json")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _clean_dev_shm():
+    """Test helpers launch plain DeepSpeed too; DeepSpeed never removes its /dev/shm buffers."""
+    import glob
+    import time
+
+    start = time.time()
+    yield
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        try:
+            if os.stat(path).st_mtime >= start - 1:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

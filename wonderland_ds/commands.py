@@ -103,6 +103,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     launch.write_env_file(run_dir, env)
     print("launch: " + shlex.join(cmd), flush=True)
     rc = subprocess.call(cmd, env=env)
+    # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
+    # this launch is alive now, so its buffers (named by its port) can go.
+    from .distributed import shm_buffers
+
+    port = cmd[cmd.index("--master_port") + 1]
+    for path in shm_buffers(port):
+        Path(path).unlink(missing_ok=True)
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
         entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
         if entry.get("status") == "running":
