@@ -72,11 +72,9 @@ def recall_bars(report: dict[str, Any], path: Path) -> None:
     ax.set_xlim(-0.6, len(new) - 0.4)
     _class_ticks(ax, new)
     ax.set_ylabel("recall on the held-out split")
-    ax.set_title(
-        f"Per-class recall (support {sum(r['support'] for r in new)}) - gate"
-        f" {report['gate']['verdict'].upper()}"
-        + (f": class {', '.join(map(str, failed))}" if failed else "")
-    )
+    title = f"Per-class recall (support {sum(r['support'] for r in new)})"
+    title += f" - gate {report['gate']['verdict'].upper()}"
+    ax.set_title(title + (f", failing classes: {', '.join(map(str, failed))}" if failed else ""))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,26 @@
+"""User tasks (``module:function``) that break stage 16 on purpose, for stage 17's gate tests."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from wonderland_ds.tasks import Split, Task, digits
+
+
+def digits_without_minority() -> Task:
+    """The built-in digits task with its minority classes (3 and 8) cut from the training
+    split: a stage 16 trained on it forgets them (recall 1.0 and 0.8 after stage 15, 0.4 and 0.2
+    after 60 such steps). The held-out split is digits' own, so stage
+    17 measures the damage on exactly the samples the healthy run is measured on."""
+    base = digits()
+    make = base.make_splits
+    assert make is not None
+
+    def splits() -> tuple[Split, Split]:
+        train, heldout = make()
+        keep = ~np.isin(train.y, base.minority_classes)
+        return Split(train.x[keep], train.y[keep]), heldout
+
+    return replace(base, name="digits-without-minority", make_splits=splits)
