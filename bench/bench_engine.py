@@ -150,7 +150,13 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
     run.stage_dir.mkdir(parents=True, exist_ok=True)
     engine = build(run, None if not task.normalize else _stats(task))
     params = sum(p.numel() for p in engine.module.parameters())
-    out: dict = {"params": params, "ds_sync_s": [], "wl_blocked_s": [], "wl_complete_s": []}
+    out: dict = {
+        "params": params,
+        "ds_sync_s": [],
+        "ds_sync_durable_s": [],
+        "wl_blocked_s": [],
+        "wl_complete_s": [],
+    }
     prog = Progress()
     for rep in range(reps):
         dist.barrier()
@@ -158,6 +164,13 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
         engine.save_checkpoint(str(folder / "ds"), tag=f"r{rep}")
         dist.barrier()
         out["ds_sync_s"].append(time.perf_counter() - t0)
+        # The same save made durable (fsync every file), as wonderland's checkpoints are.
+        if dist.is_main():
+            for f in (folder / "ds" / f"r{rep}").iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        dist.barrier()
+        out["ds_sync_durable_s"].append(time.perf_counter() - t0)
         engine.global_steps = rep + 1
         original = engine.checkpoint_engine
         writer = async_ckpt.install(engine)
@@ -187,6 +200,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--save", type=int, default=0, help="save repetitions (0: no save bench)")
     ap.add_argument("--skip-steps", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile one wonderland and one raw run on rank 0 (where time goes)",
+    )
     ap.add_argument("--local_rank", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -209,6 +227,26 @@ def main() -> None:
         "steps": args.steps,
         "reps": args.reps,
     }
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        for name, fn in (
+            ("raw", lambda: raw_loop(task, config, args.steps)),
+            (
+                "wonderland",
+                lambda: wonderland_loop(task, config, args.steps, True, folder / "prof"),
+            ),
+        ):
+            prof = cProfile.Profile()
+            prof.enable()
+            fn()
+            prof.disable()
+            if dist.is_main():
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+                print(f"=== profile: {name}\n{buf.getvalue()}", flush=True)
     if not args.skip_steps:
         sides: dict[str, list[float]] = {"raw": [], "wonderland": [], "guards-off": []}
         for rep in range(args.reps):
