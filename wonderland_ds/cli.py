@@ -21,6 +21,7 @@ from .findings import (
     has_errors,
     render,
 )
+from .stage_args import positive, stage_number
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -80,23 +81,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.main(args.hostfile, args.checkpoint, args.run_dir, ops, args.json, args.config)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def _stage(text: str) -> int:
-    value = _positive(text)
-    if value > 18:
-        raise argparse.ArgumentTypeError(f"stage {value} does not exist (stages are 1..18)")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="wonderland",
@@ -107,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="validate DeepSpeed JSON configs and a hostfile, no GPU")
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
     p.add_argument("--hostfile", help="hostfile whose slots give the world size")
-    p.add_argument("--world-size", type=_positive, help="data-parallel size (default: hostfile)")
-    p.add_argument("--stage", type=_stage, help="apply the rules for this stage (e.g. 16)")
+    p.add_argument("--world-size", type=positive, help="data-parallel size (default: hostfile)")
+    p.add_argument("--stage", type=stage_number, help="apply the rules for this stage (e.g. 16)")
     p.add_argument("--json", action="store_true", help="print findings as a JSON list")
     p.set_defaults(func=cmd_check)
 
