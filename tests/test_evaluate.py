@@ -177,6 +177,7 @@ def test_eval_refuses_bad_input_before_launching(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_broken_stage16_needs_allow_data_change(broken):
     refused = broken.refused
     assert refused.returncode == 2, out(refused)[-3000:]
@@ -207,6 +208,7 @@ def test_healthy_run_passes_the_gate(healthy):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_broken_stage16_fails_the_gate_naming_the_minority_classes(broken):
     stage17, run = broken.stage17, broken.run
     assert stage17.returncode == 3, out(stage17)[-4000:]
@@ -241,6 +243,7 @@ def test_broken_stage16_fails_the_gate_naming_the_minority_classes(broken):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
     from wonderland_ds import evaluate, tasks
 

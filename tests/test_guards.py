@@ -107,6 +107,7 @@ def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
     assert manifest["stages"]["16"]["status"] == "guard-stopped"
 
 
+@pytest.mark.nightly
 def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path):
     cfg = json.loads(Path(GUARDS_WARN).read_text())
     cfg["wonderland"]["guards"].update({"spike_policy": "rollback", "allreduce_check": False})
@@ -145,6 +146,7 @@ def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path):
     assert steps == list(range(41, 81))  # the rolled-back steps are not in the curve twice
 
 
+@pytest.mark.nightly
 def test_clean_2000_step_run_raises_no_alarm(tmp_path):
     run = tmp_path / "run"
     r = wonderland("train", "--stage", "15", "--config", CLEAN, "--run-dir", str(run), timeout=400)

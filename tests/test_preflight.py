@@ -219,4 +219,4 @@ def test_resume_auto_with_nothing_complete_never_starts_fresh(tmp_path):
 def _fingerprint() -> str:
     from wonderland_ds.tasks import digits
 
-    return digits().fingerprint
+    return digits().materialize().fingerprint

@@ -115,10 +115,10 @@ class StepGuards:
         if n and w > 1 and step % n == 0:
             times = health.send_times(self.plan, step, (1 << 20,))
             slow = health.slow_ranks(step, times, self.hosts, self.g, "slow-comm")
-            # One slow probe on a busy host is noise; two in a row is a slow link.
+            # One or two slow probes on a busy host are noise; three in a row is a slow link.
             flagged = {e.rank for e in slow}
             self.slow_streak = {r: self.slow_streak.get(r, 0) + 1 for r in flagged}
-            out += [e for e in slow if self.slow_streak[e.rank] >= 2]
+            out += [e for e in slow if self.slow_streak[e.rank] >= 3]
         out += self._loss_scale(engine)
         self.record(out)
         return out
