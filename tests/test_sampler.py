@@ -59,8 +59,7 @@ def test_prefetcher_yields_the_same_batches_inline_or_threaded(threshold):
     x = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
     y = np.arange(200, dtype=np.int64)
     s = GlobalSampler(200, seed=5)
-    p = Prefetcher(x, y, s, 40, micro=4, gas=2, world=2, rank=1, steps=12,
-                   thread_above_s=threshold)
+    p = Prefetcher(x, y, s, 40, micro=4, gas=2, world=2, rank=1, steps=12, thread_above_s=threshold)
     got = [p.next() for _ in range(24)]
     with pytest.raises(StopIteration):
         p.next()
