@@ -266,3 +266,20 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
     assert two["stage16"] == single(two["checkpoint"])
     assert three["stage16"] == single(three["checkpoint"])
     assert base["confusion_matrix"] != three["stage16"]["confusion_matrix"]  # not vacuous
+
+
+def test_lm_metrics_per_source_and_gate():
+    import math
+
+    from wonderland_ds.evaluate import lm_gate, lm_metrics
+
+    sums = np.array([128 * 2.0, 128 * 4.0, 128 * 3.0])  # summed next-byte losses per sample
+    m = lm_metrics(sums, 128, ["os", "json", "os"])
+    assert m["tokens"] == 384 and abs(m["loss"] - 3.0) < 1e-12
+    per = {r["source"]: r for r in m["per_source"]}
+    assert per["os"]["loss"] == 2.5 and per["json"]["tokens"] == 128
+    assert abs(per["json"]["perplexity"] - math.exp(4.0)) < 1e-9
+    worse = lm_metrics(np.array([128 * 2.0, 128 * 5.0, 128 * 3.0]), 128, ["os", "json", "os"])
+    (f,) = lm_gate(worse, m, 0.10)
+    assert f.rule == "gate-loss-rise" and f.path == "json"
+    assert lm_gate(m, m, 0.10)[0].severity == "ok"

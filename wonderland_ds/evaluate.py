@@ -222,11 +222,8 @@ def run_eval(
     args: argparse.Namespace, run_dir: Path, decided: dict[str, Any], plan: Plan
 ) -> dict[str, Any]:
     task: Task = decided["task"]
-    if task.kind != "classify":
-        raise Refused(
-            f"stage 17 evaluates classification tasks; {task.name!r} is a {task.kind} task",
-            "evaluate a classification task (per-source LM loss/perplexity is not built yet)",
-        )
+    if task.kind == "lm":
+        return run_eval_lm(args, run_dir, decided, plan)
     settings = decided["settings"]
     assert plan.source is not None
     # Baseline and training curves come from the run the checkpoint was trained in, which is
@@ -291,4 +288,129 @@ def run_eval(
         "gate": "pass",
         "accuracy": new["accuracy"],
         "macro_f1": new["macro_f1"],
+    }
+
+
+# ---------------------------------------------------------------- language models
+
+
+def lm_token_losses(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's shard: (sample indices, summed next-token loss of each sample)."""
+    import torch.nn.functional as F
+
+    model = task.build_model()
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    split = heldout(task)
+    blocks = shard(len(split), dist.rank(), dist.world_size())
+    sums = [np.zeros(0, dtype=np.float64)]
+    with torch.no_grad():
+        for idx in blocks:
+            logits = model(torch.from_numpy(np.asarray(split.x[idx])))
+            y = torch.from_numpy(np.asarray(split.y[idx]))
+            tok = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+            sums.append(tok.double().sum(dim=1).numpy())
+    idx_all = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+    return idx_all, np.concatenate(sums)
+
+
+def lm_metrics(sums: np.ndarray, tokens_per_sample: int, sources: list[str]) -> dict[str, Any]:
+    """Loss and perplexity over all held-out text and per text source (stdlib package)."""
+    import math
+
+    def one(mask: np.ndarray) -> dict[str, Any]:
+        tokens = int(mask.sum()) * tokens_per_sample
+        loss = float(sums[mask].sum() / max(tokens, 1))
+        return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens}
+
+    names = np.asarray(sources)
+    per = [{"source": src, **one(names == src)} for src in sorted(set(sources))]
+    return {**one(np.ones(len(sums), dtype=bool)), "per_source": per}
+
+
+def lm_gate(new: dict[str, Any], base: dict[str, Any], rise: float) -> list[Finding]:
+    old = {row["source"]: row for row in base["per_source"]}
+    out = [
+        Finding(
+            "gate-loss-rise",
+            "error",
+            f"source {row['source']}: loss {old[row['source']]['loss']:.3f} ->"
+            f" {row['loss']:.3f} (+{row['loss'] / old[row['source']]['loss'] - 1:.0%} >"
+            f" {rise:.0%})",
+            "inspect stage 16's data and LR",
+            "",
+            row["source"],
+        )
+        for row in new["per_source"]
+        if old[row["source"]]["loss"] > 0 and row["loss"] > old[row["source"]]["loss"] * (1 + rise)
+    ]
+    return out or [Finding("gate", "ok", "no text source's loss rose beyond the margin")]
+
+
+def run_eval_lm(
+    args: argparse.Namespace, run_dir: Path, decided: dict[str, Any], plan: Plan
+) -> dict[str, Any]:
+    task: Task = decided["task"]
+    settings = decided["settings"]
+    assert plan.source is not None
+    home = run_holding(plan.source) or run_dir
+    base_dir = _baseline(args, home)
+    sources = list(task.meta.get("heldout_sources") or ["all"] * len(heldout(task)))
+    tokens = int(np.asarray(heldout(task).y).shape[1])
+    result = {}
+    for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
+        idx, sums = lm_token_losses(task, consolidated_state(tag_dir))
+        full = np.zeros(len(sources))
+        seen = np.zeros(len(sources), dtype=np.int64)
+        for i, v in dist.gather_all((idx, sums)):
+            full[i] = v
+            seen[i] += 1
+        if not (seen == 1).all():
+            raise RuntimeError("held-out samples not evaluated exactly once")
+        result[name] = lm_metrics(full, tokens, sources)
+    verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)
+    failed = [f for f in verdict if f.severity == "error"]
+    report: dict[str, Any] = {
+        "checkpoint": str(plan.source),
+        "baseline": str(base_dir),
+        **result,
+        "gate": {
+            "verdict": "fail" if failed else "pass",
+            "lm_loss_rise": settings.eval.lm_loss_rise,
+            "findings": [f.to_dict() for f in verdict],
+        },
+        "plots": [],
+    }
+    out = Path(args.out) if getattr(args, "out", None) else run_dir / "stage17"
+    if dist.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        ck.atomic_write_text(out / "report.json", json.dumps(report, indent=2))
+        lines = [
+            "# Stage 17: language-model sweep",
+            "",
+            f"Gate: **{report['gate']['verdict']}**",
+            "",
+            "| source | tokens | loss (15) | loss (16) | perplexity (16) |",
+            "|---|---|---|---|---|",
+        ]
+        old = {r["source"]: r for r in result["stage15"]["per_source"]}
+        for r in result["stage16"]["per_source"]:
+            lines.append(
+                f"| {r['source']} | {r['tokens']} | {old[r['source']]['loss']:.4f} |"
+                f" {r['loss']:.4f} | {r['perplexity']:.2f} |"
+            )
+        ck.atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+        log(
+            f"stage 17 summary: loss {result['stage15']['loss']:.4f} ->"
+            f" {result['stage16']['loss']:.4f}, perplexity {result['stage16']['perplexity']:.2f}"
+            f" over {len(old)} text sources; gate {report['gate']['verdict']}"
+        )
+    dist.barrier()
+    if failed:
+        raise GuardStop(failed)
+    return {
+        "report": str(out / "report.json"),
+        "gate": "pass",
+        "loss": result["stage16"]["loss"],
+        "perplexity": result["stage16"]["perplexity"],
     }

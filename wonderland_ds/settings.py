@@ -23,6 +23,9 @@ class EvalGate(_Strict):
     """A class whose recall fell by more than this (absolute) since stage 15 fails the gate."""
     minority_recall_floor: float = Field(0.50, ge=0.0, le=1.0)
     """A minority class whose recall is below this fails the gate."""
+    lm_loss_rise: float = Field(0.10, ge=0.0)
+    """Language models: a text source whose held-out loss rose by more than this fraction
+    since stage 15 fails the gate."""
 
 
 Policy = Literal["warn", "stop", "rollback"]
