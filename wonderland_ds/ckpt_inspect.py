@@ -4,6 +4,11 @@ Works for wonderland checkpoints (metadata + checksums) and for plain DeepSpeed 
 written by someone else, naming what is missing. Files are read with
 ``torch.load(weights_only=True)`` and a small allowlist: a checkpoint is a pickle, and
 inspecting one must never run code from it (DeepSpeed itself loads with weights_only=False).
+
+Every ``.pt`` file is also scanned for the globals its pickle would call (:func:`scan_pickles`),
+wonderland checkpoints included: the sha256 in the metadata proves a file is what was listed,
+not that it is safe, since whoever can swap a shard can rewrite its hash too. The scan reads
+only each file's small ``data.pkl`` record, never the tensor data, and executes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +22,22 @@ from .findings import Finding
 
 _MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
 _OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
-_UNSAFE = re.compile(r"(?:GLOBAL|global) ([\w.]+ ?[\w.]*)")
+_UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
+
+#: Globals besides torch's own that a checkpoint may name: the classes DeepSpeed pickles into
+#: its optimizer files (ZeRO-1/2: all three; ZeRO-3: the first two) and numpy's array rebuild
+#: (wonderland_rng.pt). Unpickling them rebuilds data; it calls no code the file chooses.
+ALLOWED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+    }
+)
 
 
 def resolve_tag_dir(path: Path) -> Path:
@@ -34,24 +54,115 @@ def resolve_tag_dir(path: Path) -> Path:
     return found[-1][1] if found else path
 
 
-def safe_load(path: Path) -> tuple[Any | None, str | None]:
-    """``torch.load(weights_only=True)``; returns (object, None) or (None, reason)."""
+def scan_pickles(tag_dir: Path, skip: frozenset[str] = frozenset()) -> list[Finding]:
+    """A finding for every ``.pt`` file (but ``skip``) whose pickle names a global that is
+    neither torch's nor on :data:`ALLOWED_GLOBALS`, or that torch's static reader cannot
+    follow (fail closed: pickle protocol 4+ opcodes, non-zip files)."""
+    import pickle
+
+    import torch
+
+    out: list[Finding] = []
+    for p in sorted(tag_dir.rglob("*.pt")):
+        rel = p.relative_to(tag_dir).as_posix()
+        if rel in skip or any(part.startswith(".") for part in rel.split("/")):
+            continue
+        fix = "resume only checkpoints you trust; for one you trust, pass --trust-checkpoint"
+        try:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(str(p))
+        except pickle.UnpicklingError as exc:
+            out.append(
+                Finding(
+                    "ckpt-untrusted",
+                    "error",
+                    f"cannot be checked without running it ({exc}): DeepSpeed would"
+                    " unpickle it with weights_only=False",
+                    fix,
+                    str(tag_dir),
+                    rel,
+                )
+            )
+            continue
+        except Exception as exc:  # noqa: BLE001 - damage is reported, never raised
+            out.append(
+                Finding(
+                    "ckpt-unreadable",
+                    "error",
+                    f"not a readable torch.save file: {type(exc).__name__}:"
+                    f" {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+                    "restore the file or resume from another checkpoint",
+                    str(tag_dir),
+                    rel,
+                )
+            )
+            continue
+        bad = sorted(set(found) - ALLOWED_GLOBALS)
+        if bad:
+            out.append(
+                Finding(
+                    "ckpt-untrusted",
+                    "error",
+                    f"calls {', '.join(bad)} when unpickled: loading it (DeepSpeed uses"
+                    " weights_only=False) would run that code",
+                    fix,
+                    str(tag_dir),
+                    rel,
+                )
+            )
+    return out
+
+
+def safe_load(path: Path, trust: bool = False) -> tuple[Any | None, str | None]:
+    """``torch.load(weights_only=True)`` with :data:`ALLOWED_GLOBALS`; returns (object, None)
+    or (None, reason). ``trust``: a file refused for its globals is then loaded with
+    ``weights_only=False`` (the user vouched for it; DeepSpeed will do the same)."""
     import pickle
 
     import torch
 
     try:
-        return torch.load(path, map_location="cpu", weights_only=True), None
+        with torch.serialization.safe_globals(_allowed_objects(path)):
+            return torch.load(path, map_location="cpu", weights_only=True), None
     except pickle.UnpicklingError as exc:
-        names = _UNSAFE.findall(str(exc))
-        what = f"global {names[0]}" if names else "a non-tensor object"
-        return None, f"refused to unpickle {what} (weights_only=True): it may run code"
+        if not trust:
+            names = _UNSAFE.findall(str(exc))
+            what = f"global {names[0]}" if names else "a non-tensor object"
+            return None, f"refused to unpickle {what} (weights_only=True): it may run code"
     except Exception as exc:  # noqa: BLE001 - any damage is reported, never raised
+        return None, f"unreadable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False), None
+    except Exception as exc:  # noqa: BLE001
         return None, f"unreadable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
 
 
-def describe(path: Path, deep: bool = True) -> tuple[dict[str, Any], list[Finding]]:
-    """Everything the checkpoint contract asks for, and findings for what is missing."""
+def _allowed_objects(path: Path) -> list[Any]:
+    """The allowlisted objects ``path`` names, imported (only those: importing deepspeed
+    takes seconds, and the model-states file names none of them)."""
+    import importlib
+
+    import torch
+
+    try:
+        names = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(path)))
+    except Exception:  # noqa: BLE001 - torch.load reports the damage itself
+        names = set()
+    out = []
+    for name in sorted(names & ALLOWED_GLOBALS):
+        module, _, attr = name.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue
+    return out
+
+
+def describe(
+    path: Path, deep: bool = True, trust: bool = False
+) -> tuple[dict[str, Any], list[Finding]]:
+    """Everything the checkpoint contract asks for, and findings for what is missing.
+    ``trust`` (``--trust-checkpoint``): the model states may be unpickled with
+    weights_only=False when their globals are not allowlisted (findings still say so)."""
     tag_dir = resolve_tag_dir(path)
     f = str(tag_dir)
     out: list[Finding] = []
@@ -88,18 +199,24 @@ def describe(path: Path, deep: bool = True) -> tuple[dict[str, Any], list[Findin
         ]
     else:
         info["complete"] = False
+        # The metadata file is there but unreadable or of another format: say that, not "no".
+        out += verdict.findings if verdict is not None else []
         out.append(
             Finding(
                 "ckpt-metadata",
                 "warn" if model_files else "error",
-                f"no {ck.META}: not a wonderland checkpoint (or its save never finished); contents"
-                " cannot be verified against checksums",
+                f"{'no readable' if verdict is not None else 'no'} {ck.META}: not a wonderland"
+                " checkpoint (or its save never finished); contents cannot be verified against"
+                " checksums",
                 "re-save through wonderland, or resume it once with `wonderland train --resume`"
                 " to get a verified checkpoint",
                 f,
                 ck.META,
             )
         )
+    damaged = frozenset(f.path for f in out if f.rule == "ckpt-checksum" and f.severity == "error")
+    untrusted = scan_pickles(tag_dir, skip=damaged)
+    out += untrusted
     if not model_files:
         out.append(
             Finding(
@@ -111,18 +228,19 @@ def describe(path: Path, deep: bool = True) -> tuple[dict[str, Any], list[Findin
             )
         )
         return info, out
-    states, why = safe_load(tag_dir / model_files[0])
+    states, why = safe_load(tag_dir / model_files[0], trust=trust)
     if states is None or not isinstance(states, dict):
-        out.append(
-            Finding(
-                "ckpt-untrusted",
-                "error",
-                f"{model_files[0]}: {why}",
-                "inspect only checkpoints you trust; resume needs --trust-checkpoint",
-                f,
-                model_files[0],
+        if not any(u.path == model_files[0] for u in untrusted):
+            out.append(
+                Finding(
+                    "ckpt-untrusted",
+                    "error",
+                    f"{model_files[0]}: {why}",
+                    "inspect only checkpoints you trust; resume needs --trust-checkpoint",
+                    f,
+                    model_files[0],
+                )
             )
-        )
         return info, out
     sched = states.get("lr_scheduler")
     ds_cfg = states.get("ds_config") or {}

@@ -28,7 +28,7 @@ def init(timeout_s: int) -> None:
     # ZeRO reduces on DeepSpeed's own copy of the world group (groups._clone_world_group:
     # new_group(ranks), no timeout), and torch gives such groups its built-in default (30 min
     # for gloo), not init_process_group's. Measured: with a 20 s timeout, a SIGSTOPped rank
-    # kept the other one blocked in the ZeRO-2 reduction for more than 100 s.
+    # kept the other one blocked in the ZeRO-2 reduction until the run was stopped 62 s later.
     c10d.default_pg_timeout = timeout
     if c10d.default_pg_nccl_timeout is not None:
         c10d.default_pg_nccl_timeout = timeout
@@ -110,7 +110,9 @@ def shm_buffers(port: str | int, addr: str | None = None) -> list[str]:
 def teardown() -> None:
     if active():
         try:
-            dist.barrier()  # every peer is done with the shared buffers before they go
+            # No barrier: every peer mapped this buffer inside init_distributed, and unlinking
+            # the name leaves mappings alone. A barrier here cost a whole process-group timeout
+            # when tearing down after a hung peer (measured: rank 0 exited 22 s later).
             mine = [
                 p
                 for p in shm_buffers(
@@ -148,33 +150,44 @@ def explain_timeout(exc: BaseException, timeout_s: int) -> str | None:
     Why the store and not ``monitored_barrier``: after a gloo timeout the world group's
     connections to the silent rank are closed ("Application timeout caused pair closure") and
     a monitored barrier on it names nobody. The store lives in rank 0's process, so when it
-    does not answer either, rank 0 is the one that hangs."""
-    if not active() or "timed out" not in str(exc).lower():
-        return None
+    does not answer either, rank 0 is the one that hangs; its client has no receive timeout,
+    hence the thread."""
+    if not active() or not isinstance(exc, RuntimeError) or "timed out" not in str(exc).lower():
+        return None  # torch reports collective timeouts as RuntimeError (DistBackendError)
+    import threading
+
     from torch.distributed import distributed_c10d as c10d
 
     wait_s = max(3, min(30, timeout_s // 4))
     head = f"a collective timed out after the {timeout_s} s process-group timeout on rank {rank()}"
     key = "wonderland/answering/{}".format
-    try:
-        store = c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=wait_s))
-        store.set(key(rank()), "1")
-        deadline = time.monotonic() + wait_s
-        while True:
-            silent = [r for r in range(world_size()) if not store.check([key(r)])]
-            if not silent or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    except Exception:  # noqa: BLE001 - the store did not answer: its host is the one stuck
-        return f"{head}; rank 0 (it holds the rendezvous store) does not answer: hung or dead"
-    if not silent:
-        return f"{head}; every rank answers afterwards (a slow collective, not a dead rank)"
-    names = ", ".join(str(r) for r in silent)
-    return (
-        f"{head}; rank {names} did not answer within {wait_s} s: hung or dead"
-        f" ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160]})"
-    )
+    me, world = rank(), world_size()
+    silent: list[int] = []
+
+    def ask() -> None:
+        try:
+            store = c10d._get_default_store()
+            store.set(key(me), "1")
+            deadline = time.monotonic() + wait_s
+            while True:
+                silent[:] = [r for r in range(world) if not store.check([key(r)])]
+                if not silent or time.monotonic() > deadline:
+                    return
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the store is gone: its host is the one stuck
+            silent[:] = [-1]
+
+    asking = threading.Thread(target=ask, name="wonderland-who-answers", daemon=True)
+    silent[:] = [-1]
+    asking.start()
+    asking.join(wait_s + 5)
+    if asking.is_alive() or silent == [-1]:
+        who = "rank 0 (it holds the rendezvous store) does not answer: hung or dead"
+    elif not silent:
+        who = "every rank answers afterwards (a slow collective, not a dead rank)"
+    else:
+        who = f"rank {', '.join(map(str, silent))} did not answer within {wait_s} s: hung or dead"
+    return f"{head}; {who} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
 
 
 def monitored_barrier(timeout_s: int) -> str | None:

@@ -16,7 +16,7 @@ from .ckpt_inspect import describe, resolve_tag_dir
 from .findings import Finding
 
 #: Override flags a user may pass; each is recorded in the manifest when used.
-OVERRIDES = ("allow-seed-change", "allow-data-change")
+OVERRIDES = ("allow-seed-change", "allow-data-change", "trust-checkpoint")
 
 
 @dataclass
@@ -56,14 +56,38 @@ def _auto(run_dir: Path, stage: int) -> tuple[Path | None, bool, list[Finding]]:
         if not ck.tags(root):
             continue
         latest = ck.read_latest(root)
-        if latest is not None:
+        latest_step = None if latest is None else ck.step_of(latest)
+        if latest is not None and latest_step is None:
+            # Only a tag name may be joined to the root: an edited latest must not lead outside.
+            out.append(
+                Finding(
+                    "resume-auto",
+                    "warn",
+                    f"latest holds {latest[:80]!r}, not a checkpoint tag (global_stepN)",
+                    "",
+                    str(root / ck.LATEST),
+                )
+            )
+        elif latest is not None and latest_step is not None:
             v = ck.verify(root / latest)
             if v.complete:
-                return (
-                    v.tag_dir,
-                    own,
-                    [Finding("resume-auto", "ok", f"resuming from {v.tag_dir} (named by latest)")],
-                )
+                found = [
+                    Finding("resume-auto", "ok", f"resuming from {v.tag_dir} (named by latest)")
+                ]
+                newer = [p for s, p in ck.tags(root) if s > latest_step and ck.read_meta(p)]
+                if newer:
+                    found.append(
+                        Finding(
+                            "resume-auto",
+                            "warn",
+                            f"latest names {latest}, but {newer[-1].name} is newer and has"
+                            f" metadata (latest was edited, or a save stopped before updating"
+                            f" it): resuming from {latest}, as latest says",
+                            f"to resume the newer one, pass --resume {newer[-1]}",
+                            str(root / ck.LATEST),
+                        )
+                    )
+                return v.tag_dir, own, found
             why = "; ".join(f.message for f in v.findings)
             out.append(
                 Finding(
@@ -202,13 +226,20 @@ def check(
     if source is None:
         return plan
     plan.source, plan.continuing = source, continuing
-    info, found = describe(source, deep=True)
+    trust = "trust-checkpoint" in overrides
+    info, found = describe(source, deep=True, trust=trust)
     plan.source_info = info
-    # A plain DeepSpeed checkpoint (no metadata) cannot be verified: that is a refusal.
+    # A plain DeepSpeed checkpoint (no metadata) cannot be verified: that is a refusal. A file
+    # that would run code when DeepSpeed unpickles it is one too, unless the user vouched for
+    # the checkpoint (--trust-checkpoint, recorded in the manifest).
     plan.findings += [
-        f
-        if f.rule != "ckpt-metadata"
-        else Finding(f.rule, "error", f.message, f.fix, f.file, f.path)
+        Finding(f.rule, "error", f.message, f.fix, f.file, f.path)
+        if f.rule == "ckpt-metadata"
+        else Finding(
+            f.rule, "warn", f"{f.message} (trusted: --trust-checkpoint)", "", f.file, f.path
+        )
+        if f.rule == "ckpt-untrusted" and trust and f.severity == "error"
+        else f
         for f in found
     ]
     st = stages.get(stage)

@@ -130,8 +130,13 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
         ]
     if has_errors(plan.findings):
         raise Refused([f for f in plan.findings if f.severity == "error"])
-    if task.train is not None and not isinstance(task.train.x, np.memmap):
+    if (
+        task.train is not None
+        and not isinstance(task.train.x, np.memmap)
+        and not getattr(args, "dry_run", False)
+    ):
         # Preflight passed: now (and only now) write the cache; training reads nothing else.
+        # A dry run writes nothing.
         from . import cache
 
         cache.write(task, cache_dir)
@@ -206,13 +211,21 @@ def run(args: argparse.Namespace) -> int:
 
             result = run_export(args, run_dir, decided, plan)
     except BaseException as exc:
+        # A collective timeout names no peer: find out which ranks stopped answering.
+        hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
+        if hung:
+            print(f"[wonderland] {hung}", file=sys.stderr, flush=True)
         if dist.is_main():
             stopped = type(exc).__name__ == "GuardStop"
             status = (
                 ("gate-failed" if st.kind == "eval" else "guard-stopped") if stopped else ("failed")
             )
             manifest.update_stage(
-                run_dir, args.stage, status=status, finished=manifest.now(), error=str(exc)[:500]
+                run_dir,
+                args.stage,
+                status=status,
+                finished=manifest.now(),
+                error=(hung or str(exc))[:500],
             )
         raise
     if dist.is_main():

@@ -113,12 +113,17 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("WONDERLAND_FAULT") or None,
         help="fault injection (default: $WONDERLAND_FAULT), see README",
     )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="resume a checkpoint whose files would run code when unpickled (recorded)",
+    )
     p.add_argument("--json", action="store_true", help="print the preflight report as JSON")
 
 
 def overrides(args: argparse.Namespace) -> set[str]:
     return {
         name
-        for name in ("allow-seed-change", "allow-data-change")
+        for name in ("allow-seed-change", "allow-data-change", "trust-checkpoint")
         if getattr(args, name.replace("-", "_"))
     }
