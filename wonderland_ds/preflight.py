@@ -313,12 +313,17 @@ def check(
         if k in saved and saved[k] != installed.get(k)
     ]
     if drift:
+        # DeepSpeed's own checkpoint layout changes between versions; the universal format is
+        # the one it promises to read back, so load through it (converted by the installed
+        # DeepSpeed) instead of hoping the raw shards still fit.
+        plan.universal = True
         plan.findings.append(
             Finding(
                 "version-drift",
                 "warn",
-                f"saved with other versions: {', '.join(drift)}",
-                "if the load fails, convert it first: wonderland convert CKPT (universal format)",
+                f"saved with other versions: {', '.join(drift)}: loading through a universal"
+                " checkpoint converted by the installed DeepSpeed",
+                "to convert by hand first: wonderland convert CKPT (universal format)",
                 str(source),
             )
         )
