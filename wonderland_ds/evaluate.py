@@ -72,17 +72,21 @@ def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.
     return idx_all, np.concatenate(preds)
 
 
-def gathered_predictions(task: Task, tag_dir: Path) -> np.ndarray:
-    idx, pred = predict(task, consolidated_state(tag_dir))
-    n = len(heldout(task))
-    out = np.full(n, -1, dtype=np.int64)
+def gather_once(n: int, idx: np.ndarray, values: np.ndarray, fill: Any) -> np.ndarray:
+    """Every rank's (indices, values) into one array of ``n``, each index exactly once."""
+    out = np.full(n, fill, dtype=values.dtype)
     seen = np.zeros(n, dtype=np.int64)
-    for i, p in dist.gather_all((idx, pred)):
-        out[i] = p
+    for i, v in dist.gather_all((idx, values)):
+        out[i] = v
         seen[i] += 1
     if not (seen == 1).all():  # a sharding bug, never a user mistake: fail loudly
         raise RuntimeError(f"held-out samples evaluated {seen.min()}..{seen.max()} times, not once")
     return out
+
+
+def gathered_predictions(task: Task, tag_dir: Path) -> np.ndarray:
+    idx, pred = predict(task, consolidated_state(tag_dir))
+    return gather_once(len(heldout(task)), idx, pred, -1)
 
 
 def metrics(task: Task, pred: np.ndarray) -> dict[str, Any]:
@@ -360,14 +364,7 @@ def run_eval_lm(
     result = {}
     for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
         idx, sums = lm_token_losses(task, consolidated_state(tag_dir))
-        full = np.zeros(len(sources))
-        seen = np.zeros(len(sources), dtype=np.int64)
-        for i, v in dist.gather_all((idx, sums)):
-            full[i] = v
-            seen[i] += 1
-        if not (seen == 1).all():
-            raise RuntimeError("held-out samples not evaluated exactly once")
-        result[name] = lm_metrics(full, tokens, sources)
+        result[name] = lm_metrics(gather_once(len(sources), idx, sums, 0.0), tokens, sources)
     verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)
     failed = [f for f in verdict if f.severity == "error"]
     report: dict[str, Any] = {
