@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,14 @@ def shard(n: int, rank: int, world: int) -> list[np.ndarray]:
     return [np.arange(s, min(s + BLOCK, n)) for s in starts]
 
 
-def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's shard of the held-out split: (sample indices, predicted classes)."""
+def sweep(
+    task: Task,
+    state: dict[str, torch.Tensor],
+    per_block: Callable[[torch.nn.Module, Split, np.ndarray], np.ndarray],
+    dtype: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Load ``state`` into the task's model and run ``per_block`` over this rank's blocks of
+    the held-out split: (sample indices, one value per sample)."""
     model = task.build_model()
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -63,13 +70,21 @@ def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.
     model.eval()
     split = heldout(task)
     blocks = shard(len(split), dist.rank(), dist.world_size())
-    preds = [np.zeros(0, dtype=np.int64)]
+    values = [np.zeros(0, dtype=dtype)]
     with torch.no_grad():
-        for idx in blocks:
-            logits = model(torch.from_numpy(np.asarray(split.x[idx], dtype=np.float32)))
-            preds.append(logits.argmax(-1).numpy().astype(np.int64))
+        values += [per_block(model, split, idx) for idx in blocks]
     idx_all = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
-    return idx_all, np.concatenate(preds)
+    return idx_all, np.concatenate(values)
+
+
+def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's shard of the held-out split: (sample indices, predicted classes)."""
+
+    def classes(model: torch.nn.Module, split: Split, idx: np.ndarray) -> np.ndarray:
+        logits = model(torch.from_numpy(np.asarray(split.x[idx], dtype=np.float32)))
+        return logits.argmax(-1).numpy().astype(np.int64)
+
+    return sweep(task, state, classes, np.int64)
 
 
 def gather_once(n: int, idx: np.ndarray, values: np.ndarray, fill: Any) -> np.ndarray:
@@ -302,20 +317,13 @@ def lm_token_losses(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndar
     """This rank's shard: (sample indices, summed next-token loss of each sample)."""
     import torch.nn.functional as F
 
-    model = task.build_model()
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    split = heldout(task)
-    blocks = shard(len(split), dist.rank(), dist.world_size())
-    sums = [np.zeros(0, dtype=np.float64)]
-    with torch.no_grad():
-        for idx in blocks:
-            logits = model(torch.from_numpy(np.asarray(split.x[idx])))
-            y = torch.from_numpy(np.asarray(split.y[idx]))
-            tok = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
-            sums.append(tok.double().sum(dim=1).numpy())
-    idx_all = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
-    return idx_all, np.concatenate(sums)
+    def summed_loss(model: torch.nn.Module, split: Split, idx: np.ndarray) -> np.ndarray:
+        logits = model(torch.from_numpy(np.asarray(split.x[idx])))
+        y = torch.from_numpy(np.asarray(split.y[idx]))
+        tok = F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+        return tok.double().sum(dim=1).numpy()
+
+    return sweep(task, state, summed_loss, np.float64)
 
 
 def lm_metrics(sums: np.ndarray, tokens_per_sample: int, sources: list[str]) -> dict[str, Any]:
