@@ -107,8 +107,17 @@ def shm_buffers(port: str | int, addr: str | None = None) -> list[str]:
     return glob.glob(pattern)
 
 
-def teardown() -> None:
+def teardown(agreed: bool = True) -> None:
+    """``agreed``: every rank reached the same end (success, refusal, guard stop). Then a
+    barrier first, so no rank destroys its process group while a peer still talks to it (a
+    gloo thread torn down under a peer's feet aborts the process: "terminate called without
+    an active exception", exit -6, seen once in CI). After a crash or a hang, no barrier."""
     if active():
+        if agreed:
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass
         try:
             # No barrier: every peer mapped this buffer inside init_distributed, and unlinking
             # the name leaves mappings alone. A barrier here cost a whole process-group timeout

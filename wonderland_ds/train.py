@@ -29,19 +29,24 @@ def main(argv: list[str] | None = None) -> int:
     from wonderland_ds import distributed as dist
     from wonderland_ds import stage
 
+    agreed = False  # every rank reached the same end: tear down behind a barrier
     try:
-        return stage.run(args)
+        rc = stage.run(args)
+        agreed = True
+        return rc
     except Refused as exc:
+        agreed = True
         if dist.is_main():
             render(exc.findings, False, sys.stderr)
             print("refused: nothing was trained or written", file=sys.stderr, flush=True)
         return EXIT_REFUSED
     except GuardStop as exc:
+        agreed = True
         if dist.is_main():
             render(exc.findings, False, sys.stderr)
         return EXIT_GUARD
     finally:
-        dist.teardown()
+        dist.teardown(agreed)
 
 
 if __name__ == "__main__":
