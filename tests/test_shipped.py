@@ -23,6 +23,8 @@ HOSTFILE_SLOTS = {
     "a100x8": {"node-a100-0": 8},
     "localhost": {"localhost": 2},
     "localhost3": {"localhost": 3},
+    "netns2": {"wl-node0": 1, "wl-node1": 1},
+    "netns3": {"wl-node0": 1, "wl-node1": 1, "wl-node2": 1},
 }
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import atomic_write_text, fsync_dir, sha256_file
+from .checkpoint import atomic_write_text, fsync_dir, sha256_file, verified_sha256
 from .findings import Finding, Refused
 from .tasks import Split, Task
 
@@ -174,7 +174,7 @@ def verify(out: Path) -> tuple[dict[str, Any] | None, list[Finding]]:
                             str(path),
                         )
                     )
-                elif sha256_file(path) != info["sha256"]:
+                elif verified_sha256(path) != info["sha256"]:
                     bad.append(
                         Finding(
                             "cache-shard",

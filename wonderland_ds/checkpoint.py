@@ -64,6 +64,37 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+#: sha256 of files already verified in this launch, keyed by everything a write changes
+#: (size, mtime, ctime, inode): the front process verifies a checkpoint, rank 0 of the same
+#: launch need not read it again (``export_hashes`` / ``import_hashes``). Only verification
+#: reads it; hashes computed while writing a checkpoint never come from here.
+_VERIFIED: dict[tuple[str, int, int, int, int], str] = {}
+
+
+def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
+    st = os.stat(path)
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def verified_sha256(path: Path) -> str:
+    """sha256 of ``path`` for a verification: read once per launch while the file is unchanged."""
+    key = _stat_key(path)
+    digest = _VERIFIED.get(key)
+    if digest is None:
+        digest = _VERIFIED[key] = sha256_file(path)
+    return digest
+
+
+def export_hashes() -> list[list[Any]]:
+    return [[*key, digest] for key, digest in _VERIFIED.items()]
+
+
+def import_hashes(rows: list[list[Any]]) -> None:
+    for row in rows:
+        path, size, mtime, ctime, ino, digest = row
+        _VERIFIED[(str(path), int(size), int(mtime), int(ctime), int(ino))] = str(digest)
+
+
 def step_of(tag: str) -> int | None:
     m = _TAG.match(tag)
     return int(m.group(1)) if m else None
@@ -197,7 +228,7 @@ def verify(tag_dir: Path, deep: bool = True) -> Verdict:
                     rel,
                 )
             )
-        elif deep and sha256_file(p) != info["sha256"]:
+        elif deep and verified_sha256(p) != info["sha256"]:
             out.append(
                 Finding(
                     "ckpt-checksum",

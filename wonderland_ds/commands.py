@@ -72,7 +72,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = resolve_run_dir(args)
     decided = plan_stage(args, world, run_dir)
     cmd, env, notes = launch.build(
-        hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port
+        hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port, args.launcher
     )
     plan = decided["plan"]
     if args.dry_run:
@@ -97,10 +97,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             print("dry run: nothing launched")
         return EXIT_OK
     render(plan.findings, False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    notes += launch.write_env_file(run_dir, env)[1]
+    # Rank 0 preflights again (the plain `deepspeed ... train.py` path has no front process);
+    # hand it what was verified here so it does not read the checkpoint and data twice.
+    from .stage import write_receipt
+
+    receipt = run_dir / f".verified-stage{args.stage}.json"
+    write_receipt(receipt)
+    cmd += ["--verified", str(receipt.resolve())]
     for note in notes:
         print(f"note: {note}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    launch.write_env_file(run_dir, env)
     print("launch: " + shlex.join(cmd), flush=True)
     rc = subprocess.call(cmd, env=env)
     # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
@@ -168,6 +175,7 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             argv += ["--optimizer-state", "--scheduler-state"]
         if args.nproc:
             argv += ["--nproc", str(args.nproc)]
+        argv += ["--launcher", args.launcher]
         print(f"== stage {n}: {st.name}", flush=True)
         sub = build_train_parser()
         rc = cmd_train(sub.parse_args(argv))
@@ -389,7 +397,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         # seed rule (about stage 16's data order) from refusing it.
         argv += ["--seed", str(seed)]
     argv += ["--task", task] if task else []
-    for flag in ("baseline", "out", "nproc", "master_port"):
+    for flag in ("baseline", "out", "nproc", "master_port", "launcher"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.allow_data_change:
@@ -428,6 +436,15 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nproc", type=positive, help="processes per node (default: hostfile slots)")
     p.add_argument("--master-port", type=positive, help="rendezvous port (default: a free one)")
+    from .launch import LAUNCHERS
+
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="pdsh",
+        help="DeepSpeed's multi-node launcher (default pdsh over ssh; openmpi: mpirun with"
+        " mpi4py discovery). One-host runs start locally whatever this says",
+    )
 
 
 def build_train_parser() -> argparse.ArgumentParser:

@@ -76,6 +76,29 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+#: Host of every rank, once the stage gathered them (``rank_info``): failures name hosts.
+HOSTS: list[str] = []
+
+
+def rank_info() -> dict[str, Any]:
+    """Where this rank runs and what reached it: host, pid, the timeout its process groups
+    really got, and the launch environment carried to every node (.deepspeed_env)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from .launch import CARRIED_ENV, CARRIED_PREFIXES
+
+    keys = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", *CARRIED_ENV}
+    keys |= {k for k in os.environ if k.startswith(CARRIED_PREFIXES)}
+    return {
+        "rank": rank(),
+        "host": hostname(),
+        "local_rank": local_rank(),
+        "pid": os.getpid(),
+        "process_group_timeout_s": c10d.default_pg_timeout.total_seconds(),
+        "env": {k: os.environ[k] for k in sorted(keys) if k in os.environ},
+    }
+
+
 def barrier() -> None:
     if active():
         dist.barrier()
@@ -191,11 +214,13 @@ def explain_timeout(exc: BaseException, timeout_s: int) -> str | None:
     asking.start()
     asking.join(wait_s + 5)
     if asking.is_alive() or silent == [-1]:
-        who = "rank 0 (it holds the rendezvous store) does not answer: hung or dead"
+        where = f" on {HOSTS[0]}" if HOSTS else ""
+        who = f"rank 0{where} (it holds the rendezvous store) does not answer: hung or dead"
     elif not silent:
         who = "every rank answers afterwards (a slow collective, not a dead rank)"
     else:
-        who = f"rank {', '.join(map(str, silent))} did not answer within {wait_s} s: hung or dead"
+        names = ", ".join(f"{r} ({HOSTS[r]})" if r < len(HOSTS) else str(r) for r in silent)
+        who = f"rank {names} did not answer within {wait_s} s: hung or dead"
     return f"{head}; {who} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
 
 

@@ -169,29 +169,36 @@ def divergence(
 
 
 def send_times(plan: faults.FaultPlan, step: int, sizes: tuple[int, ...]) -> list[float]:
-    """Each rank in turn sends to the next in a ring, one pair at a time so that pairs do not
-    contend. The receiver times the transfer (a send may return before the data has left) and
-    the time is charged to the sender: a rank with a degraded link shows as slow. (With a
-    slow receive side the upstream neighbour is named: check both when one is flagged.)
-    Min of 3 rounds per size. Returns every rank's time, on every rank."""
+    """Per-rank transfer times. Each rank in turn sends to its neighbour, one pair at a time so
+    that pairs do not contend; the receiver times the transfer (a send may return before the
+    data has left) and the time is charged to the sender. A transfer needs both ends (the
+    receiver's acknowledgements too), so one degraded host also slows the neighbour that sends
+    to it: with 3 or more ranks the ring runs both ways and a rank's time is the faster of its
+    two directions. Only the host that is slow both ways stands out (measured: a host whose
+    packets were delayed 50 ms, tests/test_multinode.py). With 2 ranks both directions are the
+    same pair of hosts and a slow network cannot be pinned to one end. Min of 3 rounds per
+    size. Returns every rank's time, on every rank."""
     import torch
 
     world = dist.world_size()
     if world == 1:
         return [0.0]
-    mine = 0.0
-    for n in sizes:
-        buf = torch.ones(n, dtype=torch.float32)
-        mine += min(_ring_once(plan, step, buf) for _ in range(3))
-    received = dist.gather_all(mine)  # rank r measured the transfer from rank r - 1
-    return [float(received[(s + 1) % world]) for s in range(world)]
+    per_direction = []
+    for step_dir in (1, -1) if world > 2 else (1,):
+        mine = 0.0
+        for n in sizes:
+            buf = torch.ones(n, dtype=torch.float32)
+            mine += min(_ring_once(plan, step, buf, step_dir) for _ in range(3))
+        received = dist.gather_all(mine)  # rank r measured the transfer from rank r - step_dir
+        per_direction.append([float(received[(s + step_dir) % world]) for s in range(world)])
+    return [min(times) for times in zip(*per_direction)]
 
 
-def _ring_once(plan: faults.FaultPlan, step: int, buf: Any) -> float:
+def _ring_once(plan: faults.FaultPlan, step: int, buf: Any, direction: int = 1) -> float:
     rank, world = dist.rank(), dist.world_size()
     took = 0.0
     for sender in range(world):
-        receiver = (sender + 1) % world
+        receiver = (sender + direction) % world
         dist.barrier()
         t0 = time.perf_counter()
         if rank == sender:

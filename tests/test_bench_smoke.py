@@ -1,0 +1,69 @@
+"""The benchmarks in bench/ keep working: each runs once, tiny, and its JSON is checked.
+
+The figures themselves come from full runs (BENCHMARKS.md); these only prove the scripts run
+end to end and measure every side they claim to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.util import REPO
+from wonderland_ds.launch import free_port
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_engine_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--no_ssh_check",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "bench/bench_engine.py",
+        "--task",
+        "digits",
+        "--zero",
+        "2",
+        "--steps",
+        "12",
+        "--reps",
+        "1",
+        "--save",
+        "1",
+        "--out",
+        str(out),
+    ]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 2
+    for side in ("raw", "wonderland", "guards-off"):
+        (t,) = res["median_step_s"][side]
+        assert 0 < t < 5, (side, t)
+    save = res["save"]
+    assert res["disk_write_Bps"] > 0 and save["checkpoint_bytes"] > 0
+    for key in ("ds_sync_s", "ds_sync_durable_s", "wl_blocked_s", "wl_complete_s"):
+        assert len(save[key]) == 1 and save[key][0] > 0, key
+    # The background save cannot be complete before the loop got control back.
+    assert save["wl_complete_s"][0] >= save["wl_blocked_s"][0]
+
+
+def test_loader_bench_one_tiny_repetition():
+    cmd = [sys.executable, "bench/bench_loader.py", "--reps", "1", "--samples", "256"]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "samples/s" in r.stdout, r.stdout[-2000:]
