@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from wonderland_ds import faults, health
 from wonderland_ds.settings import Guards
@@ -85,3 +86,41 @@ def test_fault_grammar():
     for bad in ("drop@step", "boom@step", "nan@step:rank=x", "kill@step:when=3"):
         with pytest.raises(ValueError):
             faults.parse(bad)
+
+
+def _probe_schedule(g, step_s: float, probe_s: float, steps: int, world: int = 2) -> list[int]:
+    """Drive StepGuards._probe_due as judge() does: a probe's cost arrives one step later."""
+    from wonderland_ds.guards import FIRST_PROBE, StepGuards
+
+    sg = StepGuards.__new__(StepGuards)
+    sg.g, sg.world, sg.step_ema, sg.last_probe = g, world, None, 0
+    sg.next_probe, sg.probe_intervals = FIRST_PROBE, []
+    due: list[int] = []
+    for step in range(1, steps + 1):
+        sg.step = step
+        v = torch.zeros(4 + 2 * world, dtype=torch.float64)
+        v[2 + 2 * world] = step_s * world  # summed over ranks
+        v[3 + 2 * world] = probe_s * world if due and due[-1] == step - 1 else 0.0
+        if sg._probe_due(v):
+            due.append(step)
+            sg.last_probe, sg.next_probe = step, step + 1000
+    return due
+
+
+def test_adaptive_comm_probe_stays_within_its_budget():
+    from wonderland_ds.settings import Guards
+
+    # Measured on this machine: a 28 ms probe, 15 ms digits steps.
+    due = _probe_schedule(Guards(), 0.015, 0.028, 2000)
+    assert due[0] == 10
+    gaps = {b - a for a, b in zip(due, due[1:])}
+    assert gaps == {187}, gaps  # ceil(0.028 / (0.01 * 0.015))
+    assert len(due) * 0.028 / (2000 * 0.015) <= 0.01 + 0.028 / (2000 * 0.015)
+    # A 1 s step: the floor of 10 steps; a tiny step: the ceiling of 1,000.
+    slow_steps = _probe_schedule(Guards(), 1.0, 0.028, 100)
+    assert slow_steps == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
+    assert _probe_schedule(Guards(), 1e-4, 0.028, 3000) == [10, 1010, 2010]
+    # A fixed interval is kept as given; 0 never probes; one rank never probes.
+    assert _probe_schedule(Guards(comm_probe_interval=7), 0.015, 0.028, 30) == [7, 14, 21, 28]
+    assert _probe_schedule(Guards(comm_probe_interval=0), 0.015, 0.028, 30) == []
+    assert _probe_schedule(Guards(), 0.015, 0.028, 30, world=1) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from .health import Event
 from .settings import Guards
 
 SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
+FIRST_PROBE = 10  # adaptive probing: the first in-training probe (the start check ran at step 0)
+PROBE_INTERVAL_BOUNDS = (10, 1000)
 
 
 class StepGuards:
@@ -48,6 +51,13 @@ class StepGuards:
         self.skipped = 0
         self.slow_streak: dict[int | None, int] = {}
         self.low_streak: dict[int | None, int] = {}
+        # The in-training transfer probe: fixed interval, or (None) adaptive within a budget.
+        self.t_begin = 0.0
+        self.probe_s = 0.0  # this rank's last probe wall time, reported in the next vector
+        self.last_probe = 0
+        self.next_probe = FIRST_PROBE
+        self.step_ema: float | None = None
+        self.probe_intervals: list[int] = []
 
     # ------------------------------------------------------------ hooks
 
@@ -78,13 +88,43 @@ class StepGuards:
     def begin(self, step: int) -> None:
         self.step = step + 1  # faults and events are numbered by the step being computed
         self.local_sq.zero_()
+        self.t_begin = time.perf_counter()
 
     def vector(self, module: torch.nn.Module) -> torch.Tensor:
-        v = torch.zeros(2 + 2 * self.world, dtype=torch.float64)
+        """[loss, digest, grad norm per rank, fingerprint per rank, step s, probe s]: the last
+        two are summed over ranks, so every rank reads the same means (probe decisions are
+        collective and must agree)."""
+        w = self.world
+        v = torch.zeros(4 + 2 * w, dtype=torch.float64)
         v[2 + self.rank] = math.sqrt(float(self.local_sq))
         if self._fingerprint_due():
-            v[2 + self.world + self.rank] = _checksum(module)
+            v[2 + w + self.rank] = _checksum(module)
+        v[2 + 2 * w] = time.perf_counter() - self.t_begin
+        v[3 + 2 * w], self.probe_s = self.probe_s, 0.0
         return v
+
+    def _probe_due(self, v: torch.Tensor) -> bool:
+        """Fixed ``comm_probe_interval``, or adaptive: after each probe the next one is placed
+        so that probing costs at most ``comm_probe_budget`` of the training time (from the
+        mean step time and the mean probe time of all ranks: the same numbers everywhere)."""
+        w, step = self.world, self.step
+        n = self.g.comm_probe_interval
+        if w == 1 or n == 0:
+            return False
+        if n is not None:
+            return step % n == 0
+        mean_step = float(v[2 + 2 * w]) / w
+        self.step_ema = (
+            mean_step if self.step_ema is None else 0.9 * self.step_ema + 0.1 * mean_step
+        )
+        probe = float(v[3 + 2 * w]) / w
+        if probe > 0:  # the probe of step last_probe, reported now: place the next one
+            lo, hi = PROBE_INTERVAL_BOUNDS
+            want = probe / (self.g.comm_probe_budget * max(self.step_ema, 1e-6))
+            interval = int(min(hi, max(lo, math.ceil(want))))
+            self.probe_intervals.append(interval)
+            self.next_probe = self.last_probe + interval
+        return step >= self.next_probe
 
     def _fingerprint_due(self) -> bool:
         n = self.g.fingerprint_interval
@@ -114,9 +154,11 @@ class StepGuards:
             if len(set(prints)) > 1:  # find the first parameter that differs, by name
                 names, sums = _per_param(module)
                 out += health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
-        n = self.g.comm_probe_interval
-        if n and w > 1 and step % n == 0:
+        if self._probe_due(v):
+            t0 = time.perf_counter()
             times = health.send_times(self.plan, step, (1 << 20,))  # 4 MB
+            self.probe_s, self.last_probe = time.perf_counter() - t0, step
+            self.next_probe = step + PROBE_INTERVAL_BOUNDS[1]  # until its cost is known
             slow = health.slow_ranks(step, times, self.hosts, self.g, "slow-comm")
             # One or two slow probes on a busy host are noise; three in a row is a slow link.
             flagged = {e.rank for e in slow}

@@ -46,10 +46,13 @@ class Guards(_Strict):
     slow_min_ms: float = Field(1.0, ge=0.0)
     """...and at least this many milliseconds slower (sub-millisecond timings are noise)."""
     slow_policy: Literal["warn", "stop"] = "warn"
-    comm_probe_interval: int = Field(50, ge=0)
+    comm_probe_interval: int | None = Field(None, ge=0)
     """Re-run the per-rank transfer probe (4 MB, min of 3; both ways round the ring with 3+
-    ranks) every N steps while training (0: never); a rank is reported after three slow
-    probes in a row."""
+    ranks) every N steps while training (0: never). None (default): adaptive, so that probing
+    costs at most ``comm_probe_budget`` of the training time (every 10 to 1000 steps; the
+    first at step 10). A rank is reported after three slow probes in a row."""
+    comm_probe_budget: float = Field(0.01, gt=0.0, le=0.5)
+    """Adaptive probing: the largest fraction of training time the probes may take."""
     grad_drop_ratio: float = Field(0.1, gt=0.0, lt=1.0)
     """A rank whose local gradient norm is below this fraction of its peers' median (or zero,
     or non-finite) dropped its gradients."""

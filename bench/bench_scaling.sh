@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Scaling of cost with work (issue 7 item 4): step time and checkpoint save time of the byte-level
+# GPT for model sizes spanning 28x (0.9M -> 25.5M parameters, 2 ranks), and for 1 -> 2 -> 3
+# ranks at 10.8M parameters; then bench/plot_scaling.py draws bench/scaling.png.
+#   bash bench/bench_scaling.sh [OUT_DIR]        (about 12 minutes on 2 cores)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-bench/results/scaling}
+mkdir -p "$out"
+DS=.venv/bin/deepspeed
+export OMP_NUM_THREADS=1
+run() {  # NPROC DIM LAYERS
+  local n=$1 dim=$2 layers=$3 name="pylm_d$2_l$3_n$1"
+  $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 \
+    --master_port $((29600 + RANDOM % 300)) bench/bench_engine.py --out "$out/$name.json" \
+    --task pylm --dim "$dim" --layers "$layers" --micro 2 --gas 1 --zero 2 \
+    --steps 8 --reps 1 --save 2 > "$out/$name.log" 2>&1
+  echo "== $name"
+}
+for size in "128 4" "256 4" "384 6" "512 8"; do
+  # shellcheck disable=SC2086
+  run 2 $size
+done
+run 1 384 6
+run 3 384 6
+.venv/bin/python bench/plot_scaling.py "$out" bench/scaling.png
