@@ -7,6 +7,9 @@ looks usable. An existing, verified conversion of the same source is reused.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -29,6 +32,41 @@ def _source_digest(source: Path) -> str:
     return ck.sha256_text(repr(sorted((p.name, p.stat().st_size) for p in source.glob("*.pt"))))
 
 
+def _run_ds_to_universal(source: Path, out: Path, workers: int) -> str | None:
+    """DeepSpeed's own converter. With one worker it runs in this process (rank 0 has
+    DeepSpeed imported already: a separate ``python -m`` paid 2.3 s of imports and interpreter
+    start on a 5.5 s conversion, BENCHMARKS.md); with more it runs as DeepSpeed's command,
+    whose process pool must not be forked from a rank that holds process-group threads.
+    Returns None, or the last lines of what it printed when it failed."""
+    if workers > 1:
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
+        cmd += ["--input_folder", str(source), "--output_folder", str(out)]
+        cmd += ["--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            return None
+        return " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    from deepspeed.checkpoint import ds_to_universal as d2u
+
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            d2u.main(args)
+    except (Exception, SystemExit) as exc:  # its failure is a refusal, not a traceback
+        tail = " | ".join(log.getvalue().strip().splitlines()[-2:])
+        return f"{type(exc).__name__}: {exc}" + (f" ({tail})" if tail else "")
+    return None
+
+
 def convert(source: Path, out_root: Path, workers: int = 1) -> tuple[Path, list[Finding]]:
     """Convert ``source`` (a global_stepN folder) into ``out_root/global_stepN_universal``."""
     final = out_root / universal_tag(source.name)
@@ -41,31 +79,17 @@ def convert(source: Path, out_root: Path, workers: int = 1) -> tuple[Path, list[
     out_root.mkdir(parents=True, exist_ok=True)
     tmp = out_root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        str(source),
-        "--output_folder",
-        str(tmp),
-        "--num_extract_workers",
-        str(workers),
-        "--num_merge_workers",
-        str(workers),
-    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    failure = _run_ds_to_universal(source, tmp, workers)
     seconds = time.perf_counter() - t0
     (out_root / "latest_universal").unlink(missing_ok=True)  # names tmp; we pass tags explicitly
-    if proc.returncode != 0:
+    if failure is not None:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise Refused(
             Finding(
                 "universal",
                 "error",
-                f"ds_to_universal failed on {source}: {' | '.join(tail)}",
+                f"ds_to_universal failed on {source}: {failure}",
                 "check the checkpoint with `wonderland inspect`; a checkpoint without"
                 " universal_checkpoint_info needs --inject-missing-state",
                 str(source),
