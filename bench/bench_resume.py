@@ -105,6 +105,7 @@ def wonderland(cfg: Path, src: Path, work: Path, name: str, hostfile: str) -> di
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.copytree(src, run_dir, symlinks=True)
+    os.sync()  # the copy's writeback must not run inside the timed launch
     cmd = [str(BIN / "wonderland"), "train", "--stage", "16", "--config", str(cfg)]
     cmd += ["--run-dir", str(run_dir), "--resume", "auto", "--hostfile", hostfile]
     t0 = run(cmd, work / f"{name}.log")
@@ -122,6 +123,7 @@ def wonderland(cfg: Path, src: Path, work: Path, name: str, hostfile: str) -> di
 def deepspeed(cfg: Path, ckpt: Path, work: Path, name: str, nproc: int) -> dict:
     out_json = work / f"{name}.json"
     port = str(29700 + int.from_bytes(os.urandom(1), "big"))
+    os.sync()  # as for the wonderland side: start with no writeback pending
     launch = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--no_ssh_check"]
     launch += ["--master_addr", "127.0.0.1", "--master_port", port, "bench/ds_resume.py"]
     t0 = time.time()
