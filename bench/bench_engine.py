@@ -30,6 +30,9 @@ import deepspeed
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from disk import write_speed  # noqa: E402
 
 from wonderland_ds import async_ckpt, cache, tasks  # noqa: E402
 from wonderland_ds import distributed as dist  # noqa: E402
@@ -122,20 +125,6 @@ def _stats(task):
     from wonderland_ds.tasks import normalization_stats
 
     return normalization_stats(task.train.x[:])
-
-
-def disk_write_speed(folder: Path, mb: int = 512) -> float:
-    path = folder / "dd.bin"
-    block = os.urandom(1 << 20)
-    t0 = time.perf_counter()
-    with open(path, "wb") as fh:
-        for _ in range(mb):
-            fh.write(block)
-        fh.flush()
-        os.fsync(fh.fileno())
-    took = time.perf_counter() - t0
-    path.unlink()
-    return mb * (1 << 20) / took
 
 
 def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
@@ -269,7 +258,7 @@ def main() -> None:
         result["median_step_s"] = sides
     if args.save:
         if dist.is_main():
-            result["disk_write_Bps"] = disk_write_speed(folder)
+            result["disk_write_Bps"] = write_speed(folder)
         result["save"] = save_bench(task, config, args.save, folder)
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))

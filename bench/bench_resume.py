@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from disk import read_speed, write_speed  # noqa: E402
+
 BIN = Path(sys.executable).parent
 
 
@@ -77,28 +81,10 @@ def tree_bytes(path: Path) -> int:
 
 
 def disk_speeds(folder: Path, mb: int = 1024) -> dict[str, float]:
-    path = folder / "dd.bin"
-    block = os.urandom(1 << 20)
-    t0 = time.perf_counter()
-    with open(path, "wb") as fh:
-        for _ in range(mb):
-            fh.write(block)
-        fh.flush()
-        os.fsync(fh.fileno())
-    write = mb * (1 << 20) / (time.perf_counter() - t0)
-    dropped = False
-    try:  # a cold read needs the page cache dropped (root only)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        dropped = True
-    except OSError:
-        pass
-    t0 = time.perf_counter()
-    with open(path, "rb") as fh:
-        while fh.read(1 << 24):
-            pass
-    read = mb * (1 << 20) / (time.perf_counter() - t0)
-    path.unlink()
-    return {"write_Bps": write, "read_Bps": read, "read_cold": dropped}
+    write = write_speed(folder, mb, keep=True)
+    read, cold = read_speed(folder / "dd.bin")
+    (folder / "dd.bin").unlink()
+    return {"write_Bps": write, "read_Bps": read, "read_cold": cold}
 
 
 def wonderland(cfg: Path, src: Path, work: Path, name: str, hostfile: str) -> dict:

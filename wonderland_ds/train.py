@@ -56,6 +56,10 @@ if __name__ == "__main__":
     # C++ threads were destroyed there once in a while, aborting a rank whose stage had
     # succeeded ("terminate called without an active exception", exit -6: once in CI, once in
     # bench_resume.py with 3 ranks; same class as pytorch/pytorch#179291).
+    # Under mpirun the MPI runtime must still be finalized (mpi4py does it at exit otherwise).
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
