@@ -10,6 +10,7 @@ Fields (documented in the README): ``format``, ``run_dir``, ``created``, ``versi
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import time
@@ -22,7 +23,8 @@ NAME = "run.json"
 FORMAT = "wonderland-run/1"
 
 
-def versions() -> dict[str, str]:
+@functools.lru_cache(maxsize=1)
+def _versions() -> tuple[tuple[str, str], ...]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
@@ -31,7 +33,13 @@ def versions() -> dict[str, str]:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = "not installed"
-    return out
+    return tuple(out.items())
+
+
+def versions() -> dict[str, str]:
+    """Installed versions; read once per process (13 ms of package-metadata scanning that sat
+    inside every checkpoint save's blocked window)."""
+    return dict(_versions())
 
 
 def now() -> str:
