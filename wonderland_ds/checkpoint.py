@@ -71,14 +71,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 _VERIFIED: dict[tuple[str, int, int, int, int], str] = {}
 
 
-def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
+def stat_key(path: Path) -> tuple[str, int, int, int, int]:
     st = os.stat(path)
     return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def verified_sha256(path: Path) -> str:
     """sha256 of ``path`` for a verification: read once per launch while the file is unchanged."""
-    key = _stat_key(path)
+    key = stat_key(path)
     digest = _VERIFIED.get(key)
     if digest is None:
         digest = _VERIFIED[key] = sha256_file(path)

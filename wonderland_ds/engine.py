@@ -487,7 +487,7 @@ def fit(
             step = int(engine.global_steps)
             guards.begin(step)
             t0, wait0 = time.perf_counter(), loader.wait_s
-            loss_acc, digest = torch.zeros((), dtype=torch.float64), 0.0
+            loss_acc, digest = torch.zeros((), dtype=torch.float64, device=engine.device), 0.0
             for _ in range(gas):
                 mbatch = loader.next()
                 _seed_micro(_micro_seed(run.seed, mbatch.position), engine.device)
@@ -498,7 +498,7 @@ def fit(
                 engine.step()
                 # Summed where it lives: one host sync a step (at the guards' all-reduce
                 # below), not one per micro-batch.
-                loss_acc = loss_acc.to(loss.device) + loss.detach().double()
+                loss_acc += loss.detach().double()
                 digest += mbatch.digest
             faults.perturb(run.fault, engine.module, step + 1, rank)
             prog.samples_consumed += batch

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import distributed as dist
 from . import faults, manifest, preflight, stages, tasks
+from .checkpoint import atomic_write_text, export_hashes, import_hashes, stat_key
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
 from .findings import Finding, Refused, has_errors, render
 from .settings import WonderlandSettings
@@ -66,8 +67,6 @@ _FRESH_CACHES: set[tuple[str, int, int, int, int]] = set()
 def write_receipt(path: Path) -> None:
     """What the front process verified (checkpoint and cache hashes, fresh caches), for rank 0
     of the launch it starts: it skips reading those files again while they are unchanged."""
-    from .checkpoint import atomic_write_text, export_hashes
-
     body = {"hashes": export_hashes(), "fresh_caches": [list(k) for k in _FRESH_CACHES]}
     atomic_write_text(path, json.dumps(body))
 
@@ -75,8 +74,6 @@ def write_receipt(path: Path) -> None:
 def read_receipt(path: str | None) -> None:
     if not path:
         return
-    from .checkpoint import import_hashes
-
     try:
         body = json.loads(Path(path).read_text())
         import_hashes(body["hashes"])
@@ -98,10 +95,8 @@ def _task_data(
         return cache.open_task(task, Path(settings.cache)), Path(settings.cache)
     cache_dir = run_dir / "cache" / task.name
     if cache.read_index(cache_dir) is not None:
-        from .checkpoint import _stat_key
-
         opened = cache.open_task(task, cache_dir)
-        key = _stat_key(cache_dir / "index.json")
+        key = stat_key(cache_dir / cache.INDEX)
         if check_stale and key in _FRESH_CACHES:
             return opened, cache_dir  # checked by this launch's front process, unchanged since
         if check_stale and task.materialize().fingerprint != opened.fingerprint:
@@ -174,9 +169,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
 
         cache.write(task, cache_dir)
         task = cache.open_task(task, cache_dir)
-        from .checkpoint import _stat_key
-
-        _FRESH_CACHES.add(_stat_key(cache_dir / cache.INDEX))  # written from the task just now
+        _FRESH_CACHES.add(stat_key(cache_dir / cache.INDEX))  # written from the task just now
     return {
         "raw": raw,
         "cfg": cfg,

@@ -12,8 +12,6 @@ import contextlib
 import io
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,20 +30,12 @@ def _source_digest(source: Path) -> str:
     return ck.sha256_text(repr(sorted((p.name, p.stat().st_size) for p in source.glob("*.pt"))))
 
 
-def _run_ds_to_universal(source: Path, out: Path, workers: int) -> str | None:
-    """DeepSpeed's own converter. With one worker it runs in this process (rank 0 has
-    DeepSpeed imported already: a separate ``python -m`` paid 2.3 s of imports and interpreter
-    start on a 5.5 s conversion, BENCHMARKS.md); with more it runs as DeepSpeed's command,
-    whose process pool must not be forked from a rank that holds process-group threads.
-    Returns None, or the last lines of what it printed when it failed."""
-    if workers > 1:
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal"]
-        cmd += ["--input_folder", str(source), "--output_folder", str(out)]
-        cmd += ["--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode == 0:
-            return None
-        return " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+def _run_ds_to_universal(source: Path, out: Path) -> str | None:
+    """DeepSpeed's own converter, in this process with one worker: rank 0 has DeepSpeed
+    imported already (a separate ``python -m`` paid 2.3 s of imports and interpreter start on
+    a 5.5 s conversion, BENCHMARKS.md; 2 or 4 workers were no faster on 2 cores, and its
+    process pool must not be forked from a rank holding process-group threads).
+    Returns None, or what went wrong."""
     from deepspeed.checkpoint import ds_to_universal as d2u
 
     args = argparse.Namespace(
@@ -67,7 +57,7 @@ def _run_ds_to_universal(source: Path, out: Path, workers: int) -> str | None:
     return None
 
 
-def convert(source: Path, out_root: Path, workers: int = 1) -> tuple[Path, list[Finding]]:
+def convert(source: Path, out_root: Path) -> tuple[Path, list[Finding]]:
     """Convert ``source`` (a global_stepN folder) into ``out_root/global_stepN_universal``."""
     final = out_root / universal_tag(source.name)
     digest = _source_digest(source)
@@ -80,7 +70,7 @@ def convert(source: Path, out_root: Path, workers: int = 1) -> tuple[Path, list[
     tmp = out_root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    failure = _run_ds_to_universal(source, tmp, workers)
+    failure = _run_ds_to_universal(source, tmp)
     seconds = time.perf_counter() - t0
     (out_root / "latest_universal").unlink(missing_ok=True)  # names tmp; we pass tags explicitly
     if failure is not None:
