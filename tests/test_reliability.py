@@ -395,6 +395,7 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--stage", "16", "--min-warmup-steps", "many"], "argument --min-warmup-steps"),
     (["--stage", "15", "--nproc", "0"], "argument --nproc"),
     (["--stage", "15", "--master-port", "0"], "argument --master-port"),
+    (["--stage", "15", "--launcher", "slurm"], "argument --launcher: invalid choice: 'slurm'"),
     (["--stage", "15", "--fault", "bogus"], "bad fault 'bogus'"),
     (["--stage", "15", "--fault", "kill@step:step=x"], "bad fault option 'step=x'"),
     (["--stage", "15", "--fault", "hang@save-before-meta"], "bad fault 'hang@save-before-meta'"),

@@ -1,0 +1,46 @@
+"""What `wonderland train` hands DeepSpeed's multi-node launcher: .deepspeed_env and the command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.helpers.util import REPO
+from wonderland_ds import launch
+from wonderland_ds.hostfile import parse
+
+
+def test_env_file_carries_gloo_torch_and_wonderland_vars_and_skips_unquotable(tmp_path):
+    env = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "OMP_NUM_THREADS": "4",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "TORCH_DISTRIBUTED_DEBUG": "DETAIL",
+        "WONDERLAND_FAULT": "kill@step:step=3:rank=1",
+        "TORCH_NCCL_BLOCKING_WAIT": "needs quoting; rm -rf /",
+        "HOME": "/root",  # not carried: DeepSpeed's runner would export it to every node
+    }
+    path, notes = launch.write_env_file(tmp_path, env)
+    lines = path.read_text().splitlines()
+    assert lines == [
+        "GLOO_SOCKET_IFNAME=eth0",
+        "OMP_NUM_THREADS=4",
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "WONDERLAND_FAULT=kill@step:step=3:rank=1",
+    ]
+    assert len(notes) == 1 and "TORCH_NCCL_BLOCKING_WAIT not carried" in notes[0]
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then renamed
+
+
+def test_openmpi_launcher_is_passed_with_mpirun_on_path(tmp_path):
+    hf, found = parse(REPO / "hostfiles" / "netns3")
+    assert hf is not None, found
+    cmd, env, _ = launch.build(hf, None, ["--stage", "15"], tmp_path, 29500, "openmpi")
+    assert cmd[cmd.index("--launcher") + 1] == "openmpi"
+    assert "--no_ssh_check" not in cmd  # other hosts: DeepSpeed checks ssh and asks hostname -I
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    local, _ = parse(REPO / "hostfiles" / "localhost")
+    assert local is not None
+    cmd, _, _ = launch.build(local, None, ["--stage", "15"], tmp_path, 29500)
+    assert "--launcher" not in cmd and "--no_ssh_check" in cmd
