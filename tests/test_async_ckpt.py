@@ -67,3 +67,55 @@ except Exception as exc:
     ).stdout
     assert "ERROR OSError could not write" in out and "disk full" in out, out
     assert list(tmp_path.iterdir()) == []  # no big.pt, no big.pt.tmp
+
+
+def test_pooled_snapshot_reuses_buffers_only_after_the_write(tmp_path):
+    """The second save copies into the first save's buffers (no fresh page faults), and the
+    first file still holds the first save's values: a buffer goes back only once written."""
+    from wonderland_ds.async_ckpt import SnapshotCheckpointEngine
+
+    w = Writer()
+    eng = SnapshotCheckpointEngine(object(), w)
+    flat = torch.arange(1000.0)
+    state = {"a": flat[:500], "b": flat[500:], "s": torch.ones(7)}
+    eng.save(state, str(tmp_path / "one.pt"))
+    w.wait()
+    flat += 1000  # the next optimizer steps
+    assert w.pool.reused == 0
+    eng.save(state, str(tmp_path / "two.pt"))
+    w.wait()
+    assert w.pool.reused == 2  # both storages (flat's and the ones) came from the pool
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert one["a"][0] == 0 and one["b"][0] == 500 and two["a"][0] == 1000
+    assert two["a"].untyped_storage().nbytes() == 4000  # views still share one storage
+    w.pool.trim()
+    eng.save({"c": torch.zeros(3)}, str(tmp_path / "three.pt"))
+    w.wait()
+    w.close()
+    assert w.pool.reused == 2  # after trim() nothing is kept: a new shape allocates
+
+
+def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):
+    import numpy as np
+
+    from wonderland_ds import async_ckpt
+    from wonderland_ds import checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    tag_dir = root / ck.tag_for(5)
+    tag_dir.mkdir(parents=True)
+    torch.save({"w": torch.ones(2)}, tag_dir / "mp_rank_00_model_states.pt")
+    states = []
+    for rank in range(2):
+        torch.manual_seed(rank)
+        np.random.seed(100 + rank)
+        states.append(async_ckpt.rng_states())
+        async_ckpt.mark_done(tag_dir, rank, states[-1])
+    ck.finalize(root, tag_dir, 2, {"global_step": 5, "stage": 15}, None, 1, 5.0)
+    saved = torch.load(tag_dir / ck.RNG_FILE, weights_only=True)["ranks"]  # tensors only
+    for rank in range(2):
+        assert torch.equal(saved[rank]["torch"], states[rank]["torch"])
+        assert np.array_equal(saved[rank]["numpy"].numpy(), states[rank]["numpy"])
+        assert saved[rank]["python"] == states[rank]["python"]
+    assert not torch.equal(saved[0]["torch"], saved[1]["torch"])
+    assert not list(tag_dir.glob(".done-rank*"))  # markers removed once complete

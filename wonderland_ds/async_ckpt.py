@@ -7,11 +7,19 @@ fsyncs and renames each file into place, then drops a ``.done-rankR`` marker. Ra
 then waits for every rank's marker and only then hashes the files, writes the metadata and
 replaces ``latest``: the crash-safety contract of checkpoint.py is unchanged, only the waiting
 moved off the training loop. The next save waits for the previous one (back-pressure).
+
+Two things keep the blocked window short (BENCHMARKS.md section 3):
+* the snapshot copies into buffers kept from the previous save (:class:`BufferPool`): a copy
+  into fresh memory pays a page fault per 4 KiB page, 2-3x the copy itself on this machine;
+* each rank's RNG states travel in its ``.done-rankR`` marker, written by its own writer, so no
+  collective gathers them on the training loop's time.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
 import os
 import queue
 import threading
@@ -25,26 +33,64 @@ import torch
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 
-def snapshot(obj: Any, memo: dict[int, Any] | None = None) -> Any:
-    """A copy that later training steps cannot change. Tensor storages are cloned once each
-    and views rebuilt on the clones, so the file is the same as DeepSpeed would write."""
+class BufferPool:
+    """Host buffers reused from one save's snapshot to the next. Only the previous save's
+    buffers are kept (:meth:`trim`), so the pool holds at most one copy of this rank's state;
+    they are handed back only after their file was written, and the next save starts only
+    after every write finished (back-pressure), so a buffer is never reused while read."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        n = storage.nbytes()
+        if storage.device.type != "cpu" or n == 0:
+            return storage.clone()  # device memory is not pooled: it is the scarce kind
+        with self._lock:
+            free = self._free.get(n)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8).untyped_storage()
+        else:
+            self.reused += 1
+        buf.copy_(storage)
+        return buf
+
+    def give(self, buffers: list[torch.UntypedStorage]) -> None:
+        with self._lock:
+            for buf in buffers:
+                if buf.device.type == "cpu" and buf.nbytes():
+                    self._free.setdefault(buf.nbytes(), []).append(buf)
+
+    def trim(self) -> None:
+        """Drop the buffers this save did not take (the state's shapes changed)."""
+        with self._lock:
+            self._free.clear()
+
+
+def snapshot(obj: Any, memo: dict[int, Any] | None = None, pool: BufferPool | None = None) -> Any:
+    """A copy that later training steps cannot change. Tensor storages are copied once each
+    (into ``pool``'s reused buffers when given) and views rebuilt on the copies, so the file is
+    the same as DeepSpeed would write. ``memo`` ends up holding every copied storage."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         storage = t.untyped_storage()
         key = storage.data_ptr() if storage.nbytes() else id(t)
         if key not in memo:
-            memo[key] = storage.clone()
+            memo[key] = pool.copy(storage) if pool is not None else storage.clone()
         out = torch.empty(0, dtype=t.dtype, device=t.device)
         return out.set_(memo[key], t.storage_offset(), t.size(), t.stride())
     # Exact types only: subclasses (torch.Size, defaultdict, named tuples) keep their type
     # through deepcopy below, and DeepSpeed's loaders rely on them (e.g. Size.numel()).
     if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, snapshot(v, memo)) for k, v in obj.items())
+        return type(obj)((k, snapshot(v, memo, pool)) for k, v in obj.items())
     if type(obj) is list:
-        return [snapshot(v, memo) for v in obj]
+        return [snapshot(v, memo, pool) for v in obj]
     if type(obj) is tuple:
-        return tuple(snapshot(v, memo) for v in obj)
+        return tuple(snapshot(v, memo, pool) for v in obj)
     if isinstance(obj, (str, int, float, bool, type(None))):
         return obj
     return copy.deepcopy(obj)
@@ -56,6 +102,7 @@ class Writer:
 
     def __init__(self, hook: Callable[[str], None] | None = None) -> None:
         self.hook = hook or (lambda point: None)
+        self.pool = BufferPool()
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
@@ -83,7 +130,16 @@ class Writer:
             self._pending += 1
         self._q.put(job)
 
-    def write(self, obj: Any, path: str, zipfile: bool) -> None:
+    def write(
+        self,
+        obj: Any,
+        path: str,
+        zipfile: bool,
+        buffers: list[torch.UntypedStorage] | None = None,
+    ) -> None:
+        """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
+        once the file is written."""
+
         def job() -> None:
             tmp = f"{path}.tmp"
             try:
@@ -93,6 +149,8 @@ class Writer:
                 self.hook("mid-file")
                 os.replace(tmp, path)
                 self.hook("after-file")
+                if buffers:
+                    self.pool.give(buffers)
             except BaseException as exc:
                 Path(tmp).unlink(missing_ok=True)  # never leave a partial file behind
                 if isinstance(exc, Exception):  # torch's zip writer hides the errno (EFBIG...)
@@ -133,7 +191,9 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         self.writer = writer
 
     def save(self, state_dict: Any, path: str) -> None:
-        self.writer.write(snapshot(state_dict), path, self.zipfile_serialization)
+        memo: dict[int, Any] = {}
+        copy_ = snapshot(state_dict, memo, self.writer.pool)
+        self.writer.write(copy_, path, self.zipfile_serialization, list(memo.values()))
 
 
 def install(engine: Any, hook: Callable[[str], None] | None = None) -> Writer:
@@ -156,8 +216,56 @@ def wait_for_markers(tag_dir: Path, world: int, timeout_s: float) -> None:
         time.sleep(0.02)
 
 
-def mark_done(tag_dir: Path, rank: int) -> None:
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states (torch CPU, numpy, python), as saved in wonderland_rng.pt."""
+    import random
+
+    import numpy as np
+
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(legacy=True)[1].copy(),  # type: ignore[index]
+        "python": repr(random.getstate()),
+    }
+
+
+def _encode_rng(rng: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "torch": base64.b64encode(rng["torch"].numpy().tobytes()).decode(),
+        "numpy": [int(v) for v in rng["numpy"]],
+        "python": rng["python"],
+    }
+
+
+def _decode_rng(body: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    if not body:
+        return {}
+    raw = bytearray(base64.b64decode(body["torch"]))
+    return {
+        "torch": torch.frombuffer(raw, dtype=torch.uint8).clone(),
+        # A uint32 tensor, not an ndarray: the file then loads with weights_only=True
+        # (an ndarray's dtype class is not on torch's allowlist).
+        "numpy": torch.from_numpy(np.asarray(body["numpy"], dtype=np.uint32)),
+        "python": body["python"],
+    }
+
+
+def mark_done(tag_dir: Path, rank: int, rng: dict[str, Any] | None = None) -> None:
+    """This rank's shards are durable: the marker (atomic, fsynced) carries its RNG states."""
     marker = tag_dir / f".done-rank{rank}"
-    with open(marker, "w") as fh:
+    tmp = tag_dir / f".done-rank{rank}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(_encode_rng(rng) if rng else {}, fh)
         fh.flush()
         os.fsync(fh.fileno())
+    os.replace(tmp, marker)
+
+
+def read_markers(tag_dir: Path, world: int) -> list[dict[str, Any]]:
+    """Every rank's RNG states from its marker (after :func:`wait_for_markers`)."""
+    return [
+        _decode_rng(json.loads((tag_dir / f".done-rank{r}").read_text() or "{}"))
+        for r in range(world)
+    ]

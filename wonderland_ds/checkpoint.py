@@ -290,20 +290,22 @@ def finalize(
     tag_dir: Path,
     world: int,
     meta: dict[str, Any],
-    rngs: list[Any],
+    rngs: list[Any] | None,
     keep_last: int,
     timeout_s: float,
     hook: Hook = _noop,
 ) -> None:
     """Complete a save once every rank's shards are durable (their ``.done-rankR`` markers):
-    RNG states, then the metadata (the checkpoint is now complete), then ``latest``, then
+    RNG states (``rngs``, or when None each rank's from its marker), then the metadata (the checkpoint is now complete), then ``latest``, then
     retention. ``hook(point)`` runs at each named point (fault injection, crash tests)."""
     import torch
 
-    from .async_ckpt import wait_for_markers
+    from .async_ckpt import read_markers, wait_for_markers
 
     wait_for_markers(tag_dir, world, timeout_s)
     hook("after-shards")
+    if rngs is None:
+        rngs = read_markers(tag_dir, world)
     tmp = tag_dir / f".{RNG_FILE}.tmp"
     torch.save({"ranks": rngs}, tmp)
     os.replace(tmp, tag_dir / RNG_FILE)

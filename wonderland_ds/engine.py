@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import random
 import shutil
 import statistics
 import time
@@ -105,14 +104,6 @@ def _seed_micro(seed: int, device: Any) -> None:
         torch.cuda.manual_seed(seed)
 
 
-def _rng_states() -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(legacy=True)[1].copy(),  # type: ignore[index]
-        "python": repr(random.getstate()),
-    }
-
-
 def save(
     run: StageRun, engine: Any, prog: Progress, loss: float | None, writer: async_ckpt.Writer
 ) -> tuple[Path, float]:
@@ -142,9 +133,10 @@ def save(
     }
     faults.limit_file_size(run.fault, step, dist.rank())
     engine.save_checkpoint(str(run.ckpt_root), tag=tag, client_state=client, save_latest=False)
-    rngs = dist.gather_all(_rng_states())
-    rank = dist.rank()
-    writer.submit(lambda: async_ckpt.mark_done(tag_dir, rank))
+    writer.pool.trim()
+    # Each rank's RNG states ride its own marker (no collective on the loop's time).
+    rank, rng = dist.rank(), async_ckpt.rng_states()
+    writer.submit(lambda: async_ckpt.mark_done(tag_dir, rank, rng))
     if dist.is_main():
         meta = _meta(run, engine, prog, loss, state)
         timeout = float(run.settings.process_group_timeout_s)
@@ -156,7 +148,7 @@ def save(
                 tag_dir,
                 dist.world_size(),
                 meta,
-                rngs,
+                None,  # from the markers
                 run.settings.keep_last,
                 timeout,
                 lambda point: faults.maybe(run.fault, f"save-{point}", step, 0),
