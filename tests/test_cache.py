@@ -107,3 +107,58 @@ def test_pylm_task_from_the_standard_library(tmp_path):
     assert len(task.meta["heldout_sources"]) == len(task.heldout)
     opened = cache.open_task(tasks.pylm(), cache.write(task, tmp_path / "lm") and tmp_path / "lm")
     assert opened.meta["heldout_sources"][:3] == task.meta["heldout_sources"][:3]
+
+
+def test_pylm_source_key_covers_every_file_the_data_is_read_from(monkeypatch):
+    read: list[Path] = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real(self))
+    tasks._pylm_splits({})
+    assert read == tasks._pylm_used_files() and len(read) > 50
+
+
+def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_path, monkeypatch):
+    """The front's stale-cache check: equal source keys skip rebuilding the data; a changed key
+    rebuilds and compares fingerprints (same data: fine; other data: refused)."""
+    import argparse
+
+    from wonderland_ds import stage
+    from wonderland_ds.settings import WonderlandSettings
+
+    base = tasks.digits().materialize()
+    state = {"key": "v1", "builds": 0, "flip": False}
+
+    def splits():
+        state["builds"] += 1
+        if state["flip"]:
+            return tasks.Split(base.train.x[::-1].copy(), base.train.y), base.heldout
+        return base.train, base.heldout
+
+    def factory() -> tasks.Task:
+        return tasks.Task(
+            name="counting",
+            num_classes=10,
+            build_model=lambda: None,
+            make_splits=splits,
+            source_key=lambda: state["key"],
+        )
+
+    monkeypatch.setitem(tasks.BUILTIN, "counting", factory)
+    monkeypatch.setattr(stage, "_FRESH_CACHES", set())
+    args, settings = argparse.Namespace(task="counting"), WonderlandSettings()
+    cache_dir = tmp_path / "run" / "cache" / "counting"
+    cache.write(factory().materialize(), cache_dir)
+    assert json.loads((cache_dir / "index.json").read_text())["source_key"] == "v1"
+    state["builds"] = 0
+
+    stage._task_data(args, settings, tmp_path / "run", check_stale=True)
+    assert state["builds"] == 0  # same key: nothing rebuilt
+    stage._FRESH_CACHES.clear()
+    state["key"] = "v2"  # e.g. a source file touched: rebuilt and compared, same data
+    stage._task_data(args, settings, tmp_path / "run", check_stale=True)
+    assert state["builds"] == 1
+    stage._FRESH_CACHES.clear()
+    state["flip"] = True  # the source now makes other data: refused, as before
+    with pytest.raises(Refused) as exc:
+        stage._task_data(args, settings, tmp_path / "run", check_stale=True)
+    assert exc.value.findings[0].rule == "cache-stale" and state["builds"] == 2

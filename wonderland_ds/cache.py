@@ -112,6 +112,7 @@ def write(task: Task, out: Path) -> tuple[dict[str, Any], list[Finding]]:
             "format": FORMAT,
             "task": task.name,
             "fingerprint": fp,
+            "source_key": task.source_key_value,  # tasks.py: proves freshness cheaply
             "rows": {"train": len(task.train), "heldout": len(task.heldout)},
             "splits": splits,
             "meta": task.meta,
@@ -211,7 +212,9 @@ def open_task(task: Task, out: Path) -> Task:
                 str(out / INDEX),
             )
         )
-    task = dataclasses.replace(task, meta=index.get("meta") or {})
+    task = dataclasses.replace(
+        task, meta=index.get("meta") or {}, source_key_value=index.get("source_key")
+    )
     return task.with_data(
         _load(out, index["splits"]["train"]),
         _load(out, index["splits"]["heldout"]),

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpoint as ck
+from . import pickles
 from .findings import Finding
 
 _MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
@@ -60,8 +61,6 @@ def scan_pickles(tag_dir: Path, skip: frozenset[str] = frozenset()) -> list[Find
     follow (fail closed: pickle protocol 4+ opcodes, non-zip files)."""
     import pickle
 
-    import torch
-
     out: list[Finding] = []
     for p in sorted(tag_dir.rglob("*.pt")):
         rel = p.relative_to(tag_dir).as_posix()
@@ -69,7 +68,7 @@ def scan_pickles(tag_dir: Path, skip: frozenset[str] = frozenset()) -> list[Find
             continue
         fix = "resume only checkpoints you trust; for one you trust, pass --trust-checkpoint"
         try:
-            found = torch.serialization.get_unsafe_globals_in_checkpoint(str(p))
+            found = pickles.unsafe_globals(p)  # torch's static scan, without importing torch
         except pickle.UnpicklingError as exc:
             out.append(
                 Finding(
@@ -134,6 +133,26 @@ def safe_load(path: Path, trust: bool = False) -> tuple[Any | None, str | None]:
         return torch.load(path, map_location="cpu", weights_only=False), None
     except Exception as exc:  # noqa: BLE001
         return None, f"unreadable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def peek_states(path: Path, trust: bool = False) -> tuple[Any | None, str | None]:
+    """The model-states file's structure without its tensor data and without torch
+    (pickles.peek: nothing the file names is called); (object, None) or (None, reason).
+    Refuses a global outside torch's allowlist and :data:`ALLOWED_GLOBALS` unless ``trust``."""
+    import pickle
+
+    try:
+        return pickles.peek(path, ALLOWED_GLOBALS, trust), None
+    except pickle.UnpicklingError as exc:
+        names = _UNSAFE_PEEK.findall(str(exc))
+        what = f"global {names[0]}" if names else "a non-tensor object"
+        return None, f"refused to unpickle {what} (weights_only=True): it may run code"
+    except Exception as exc:  # noqa: BLE001 - any damage is reported, never raised
+        first = str(exc).splitlines()[0][:200] if str(exc) else ""
+        return None, f"unreadable: {type(exc).__name__}: {first}"
+
+
+_UNSAFE_PEEK = re.compile(r"global ([\w.]+) is not allowlisted")
 
 
 def _allowed_objects(path: Path) -> list[Any]:
@@ -228,7 +247,7 @@ def describe(
             )
         )
         return info, out
-    states, why = safe_load(tag_dir / model_files[0], trust=trust)
+    states, why = peek_states(tag_dir / model_files[0], trust=trust)
     if states is None or not isinstance(states, dict):
         if not any(u.path == model_files[0] for u in untrusted):
             out.append(

@@ -2,6 +2,9 @@
 
 All ranks take the same decisions: rank 0 runs the preflight (and any universal conversion)
 and broadcasts the plan; a refusal exits 2 on every rank before anything is written.
+
+The front process (``wonderland train``) runs :func:`plan_stage` too, before launching: this
+module imports torch (through ``distributed``) only inside :func:`log` and :func:`run`.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from . import distributed as dist
 from . import faults, manifest, preflight, stages, tasks
 from .checkpoint import atomic_write_text, export_hashes, import_hashes, stat_key
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
@@ -25,6 +27,8 @@ from .stage_args import overrides
 
 
 def log(msg: str) -> None:
+    from . import distributed as dist
+
     if dist.is_main():
         print(f"[wonderland] {msg}", flush=True)
 
@@ -99,7 +103,15 @@ def _task_data(
         key = stat_key(cache_dir / cache.INDEX)
         if check_stale and key in _FRESH_CACHES:
             return opened, cache_dir  # checked by this launch's front process, unchanged since
-        if check_stale and task.materialize().fingerprint != opened.fingerprint:
+        # A built-in task proves its source unchanged from file sizes and times (tasks.py);
+        # anything else, or any difference, rebuilds the data and compares fingerprints.
+        same_source = (
+            check_stale
+            and task.source_key is not None
+            and opened.source_key_value is not None
+            and task.source_key() == opened.source_key_value
+        )
+        if check_stale and not same_source and task.materialize().fingerprint != opened.fingerprint:
             raise Refused(
                 Finding(
                     "cache-stale",
@@ -183,6 +195,8 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
 
 def run(args: argparse.Namespace) -> int:
     """The per-rank body of ``train.py`` (distributed is initialised inside)."""
+    from . import distributed as dist
+
     # A config refusal is the same on every rank: decide before starting the process group.
     _, _, settings = load_config(args.config, args.stage, None)
     dist.init(settings.process_group_timeout_s)

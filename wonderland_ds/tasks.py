@@ -11,27 +11,39 @@ downloaded:
 
 Training never reads ``make_splits`` directly: the splits are written once to a cache of
 tensor shards (``cache.py``) and every stage reads the memory-mapped cache.
+
+This module does not import torch: the front process (``wonderland train``) loads tasks to
+check the run's data before launching, and torch's import alone was 2 s of every launch
+(BENCHMARKS.md section 5). Models and losses import it when first used.
+
+A built-in task also has a ``source_key``: a cheap digest of what its data is made from (file
+names, sizes and modification times, the code that builds it). The cache records it, so the
+front proves a cache fresh without rebuilding the data; any difference falls back to the full
+comparison (rebuild and fingerprint).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
+import os
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .findings import Refused
-from .models import ByteGPT, DigitsNet, Normalize
 
-__all__ = ["Normalize", "Split", "Task", "digits", "pylm", "load", "normalization_stats"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["Normalize", "Split", "Task", "digits", "pylm", "load", "normalization_stats"]  # noqa: F822
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,11 @@ class Task:
     train: Split | None = None
     heldout: Split | None = None
     fingerprint_value: str | None = None
+    source_key: Callable[[], str] | None = None
+    """A cheap digest of the raw source (no data built): equal keys mean equal data. Only
+    for sources whose every input it covers; user tasks leave it None (full check)."""
+    source_key_value: str | None = None
+    """The key of the source this task's data was built from (recorded in its cache)."""
 
     @property
     def fingerprint(self) -> str:
@@ -88,10 +105,14 @@ class Task:
             raise Refused(f"task {self.name!r} has no data source", "give it make_splits")
         from .cache import fingerprint
 
+        key = self.source_key() if self.source_key is not None else None  # before reading
         train, heldout = self.make_splits()
-        return self.with_data(train, heldout, fingerprint(train, self.name))
+        task = self.with_data(train, heldout, fingerprint(train, self.name))
+        return dataclasses.replace(task, source_key_value=key)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
         out = out.float()
         if self.kind == "lm":
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -122,12 +143,51 @@ def _digits_splits(minority: tuple[int, ...], share: float) -> tuple[Split, Spli
     return Split(x[~heldout], y[~heldout]), Split(x[heldout], y[heldout])
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Normalize":  # re-exported for user tasks; torch is imported on first use
+        from .models import Normalize
+
+        return Normalize
+    raise AttributeError(name)
+
+
+def _digits_model() -> nn.Module:
+    from .models import DigitsNet
+
+    return DigitsNet()
+
+
+def _code_key() -> str:
+    """This file's bytes: any edit to how built-in data is made changes every source key."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def _files_key(*parts: Any, files: list[Path]) -> str:
+    h = hashlib.sha256(_code_key().encode())
+    h.update(repr(parts).encode())
+    for path in files:
+        st = path.stat()
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _digits_source_key(minority: tuple[int, ...], share: float) -> str:
+    from importlib import metadata
+
+    spec = importlib.util.find_spec("sklearn")  # finds, does not import, scikit-learn
+    if spec is None or not spec.submodule_search_locations:
+        return "no-sklearn"  # materializing refuses it properly
+    data = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    return _files_key("digits", minority, share, metadata.version("scikit-learn"), files=[data])
+
+
 def digits(minority: tuple[int, ...] = (3, 8), share: float = 0.12) -> Task:
     return Task(
         name="digits",
         num_classes=10,
-        build_model=DigitsNet,
+        build_model=_digits_model,
         make_splits=lambda: _digits_splits(minority, share),
+        source_key=lambda: _digits_source_key(minority, share),
         minority_classes=minority,
         class_names=tuple(str(c) for c in range(10)),
     )
@@ -138,13 +198,28 @@ PYLM_BYTES = 3_000_000
 
 
 def _stdlib_files() -> list[Path]:
+    """The standard library's ``.py`` files outside ``test`` and ``site-packages`` folders,
+    sorted (a pruned walk: ``rglob`` then filtering visited the test suite's 14k entries)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts[len(root.parts) :]
-    )
-    return files
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("test", "site-packages")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
+    return sorted(f for f in files if "site-packages" not in f.parts)
+
+
+def _pylm_used_files() -> list[Path]:
+    """The files :func:`_pylm_splits` reads, decided by their sizes alone."""
+    used, total = [], 0
+    for path in _stdlib_files():
+        size = path.stat().st_size
+        used.append(path)
+        if (size - 1) // PYLM_CONTEXT == 0:
+            continue
+        total += size
+        if total > PYLM_BYTES:
+            break
+    return used
 
 
 def _pylm_splits(meta: dict[str, Any]) -> tuple[Split, Split]:
@@ -175,6 +250,12 @@ def _pylm_splits(meta: dict[str, Any]) -> tuple[Split, Split]:
     )
 
 
+def _pylm_model(dim: int, layers: int) -> nn.Module:
+    from .models import ByteGPT
+
+    return ByteGPT(PYLM_CONTEXT, dim, layers)
+
+
 def pylm(dim: int = 128, layers: int = 4) -> Task:
     meta: dict[str, Any] = {}
     return Task(
@@ -182,9 +263,10 @@ def pylm(dim: int = 128, layers: int = 4) -> Task:
         num_classes=256,
         kind="lm",
         normalize=False,
-        build_model=lambda: ByteGPT(PYLM_CONTEXT, dim, layers),
+        build_model=lambda: _pylm_model(dim, layers),
         make_splits=lambda: _pylm_splits(meta),
         meta=meta,
+        source_key=lambda: _files_key("pylm", PYLM_CONTEXT, PYLM_BYTES, files=_pylm_used_files()),
     )
 
 
