@@ -104,17 +104,26 @@ def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
+def _fsync_and_hash(f: Path) -> dict[str, Any]:
+    with open(f, "rb") as fh:
+        os.fsync(fh.fileno())
+    return {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+
+
 def hash_files(tag_dir: Path) -> dict[str, dict[str, Any]]:
-    """fsync and hash every file a save wrote (everything but our metadata)."""
-    files: dict[str, dict[str, Any]] = {}
-    for f in sorted(tag_dir.rglob("*")):
-        if not f.is_file() or f.name == META or f.name.startswith("."):
-            continue
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-        rel = f.relative_to(tag_dir).as_posix()
-        files[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
-    return files
+    """fsync and hash every file a save wrote (everything but our metadata), and fsync every
+    sub-folder (a universal checkpoint has one per parameter). Four threads: fsync and sha256
+    release the GIL, and a universal checkpoint has ~400 small files whose fsyncs were 0.4-0.7 s
+    one after the other."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    entries = sorted(tag_dir.rglob("*"))
+    names = [f for f in entries if f.is_file() and f.name != META and not f.name.startswith(".")]
+    folders = [d for d in entries if d.is_dir()]
+    with ThreadPoolExecutor(4) as pool:
+        done = list(pool.map(_fsync_and_hash, names))
+        list(pool.map(fsync_dir, folders))
+    return {f.relative_to(tag_dir).as_posix(): d for f, d in zip(names, done)}
 
 
 def write_meta(tag_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +212,16 @@ def verify(tag_dir: Path, deep: bool = True) -> Verdict:
             None,
         )
     out: list[Finding] = []
+    if deep:  # hash in parallel first (sha256 releases the GIL); the loop below reads the cache
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo = [
+            tag_dir / rel
+            for rel, info in meta.get("files", {}).items()
+            if (tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == info["bytes"]
+        ]
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(verified_sha256, todo))
     for rel, info in sorted(meta.get("files", {}).items()):
         p = tag_dir / rel
         if not p.is_file():
