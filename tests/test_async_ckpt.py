@@ -82,17 +82,39 @@ def test_pooled_snapshot_reuses_buffers_only_after_the_write(tmp_path):
     w.wait()
     flat += 1000  # the next optimizer steps
     assert w.pool.reused == 0
+    w.pool.start()  # engine.save: the previous save completed
     eng.save(state, str(tmp_path / "two.pt"))
     w.wait()
     assert w.pool.reused == 2  # both storages (flat's and the ones) came from the pool
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["a"][0] == 0 and one["b"][0] == 500 and two["a"][0] == 1000
     assert two["a"].untyped_storage().nbytes() == 4000  # views still share one storage
-    w.pool.trim()
+    w.pool.start()
+    w.pool.trim()  # the third save takes nothing: the previous save's buffers are dropped
     eng.save({"c": torch.zeros(3)}, str(tmp_path / "three.pt"))
     w.wait()
+    assert w.pool.reused == 2
+    w.pool.start()  # only the third save's buffer is left to reuse
+    eng.save({"c": torch.zeros(3)}, str(tmp_path / "four.pt"))
+    eng.save({"d": torch.zeros(5)}, str(tmp_path / "five.pt"))  # a new shape allocates
+    w.wait()
     w.close()
-    assert w.pool.reused == 2  # after trim() nothing is kept: a new shape allocates
+    assert w.pool.reused == 3 and torch.load(tmp_path / "four.pt")["c"].sum() == 0
+
+
+def test_trim_keeps_buffers_this_saves_finished_files_gave_back():
+    """The writer may finish this save's first file while the snapshot of the next is still
+    being taken: trim() must not drop that file's buffers (the next save reuses them)."""
+    from wonderland_ds.async_ckpt import BufferPool
+
+    pool = BufferPool()
+    pool.start()
+    a = pool.copy(torch.ones(4).untyped_storage())
+    pool.give([a])  # written and handed back before this save's snapshot ended
+    pool.trim()
+    pool.start()
+    assert pool.copy(torch.zeros(4).untyped_storage()).data_ptr() == a.data_ptr()
+    assert pool.reused == 1
 
 
 def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):

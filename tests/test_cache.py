@@ -139,8 +139,7 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
             name="counting",
             num_classes=10,
             build_model=lambda: None,
-            make_splits=splits,
-            source_key=lambda: state["key"],
+            make_splits=tasks.Source(splits, lambda: state["key"]),
         )
 
     monkeypatch.setitem(tasks.BUILTIN, "counting", factory)
@@ -162,3 +161,12 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
     with pytest.raises(Refused) as exc:
         stage._task_data(args, settings, tmp_path / "run", check_stale=True)
     assert exc.value.findings[0].rule == "cache-stale" and state["builds"] == 2
+
+
+def test_a_task_that_replaces_a_builtin_source_loses_its_key():
+    import dataclasses
+
+    task = tasks.digits()
+    assert task.source_key is not None
+    mine = dataclasses.replace(task, make_splits=lambda: task.make_splits())
+    assert mine.source_key is None  # its data is checked the full way

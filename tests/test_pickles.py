@@ -130,3 +130,42 @@ def test_peek_of_a_real_model_states_file_matches_torch_load(tmp_path):
     assert peeked["nested"][0][1] == "s"
     buf = io.BytesIO(zipfile.ZipFile(path).read("mp_rank_00_model_states/data.pkl"))
     assert buf.getbuffer().nbytes < 2000  # only the pickle record is read, not tensor bytes
+
+
+def _zip_with(path, entries, prefix=b""):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in entries:
+            zf.writestr(name, data)
+    path.write_bytes(prefix + buf.getvalue())
+    return path
+
+
+def test_crafted_zips_torch_would_read_differently_are_refused(tmp_path):
+    """The scan must read the pickle torch.load would run: a legacy pickle in front of a
+    harmless zip (torch unpickles the front bytes), another folder's data.pkl listed first,
+    or names differing only in case are refused, never guessed at."""
+    good, evil = pickle.dumps({"a": 1}, protocol=2), pickle.dumps(Boom(), protocol=2)
+    ok = [("archive/data.pkl", good), ("archive/version", b"3\n")]
+    prefixed = _zip_with(tmp_path / "prefixed.pt", ok, prefix=evil)
+    with pytest.raises(ValueError):
+        torch.serialization.get_unsafe_globals_in_checkpoint(str(prefixed))  # torch refuses too
+    crafted = [
+        prefixed,
+        _zip_with(
+            tmp_path / "two-folders.pt",
+            [("a/x", b""), ("b/data.pkl", good), ("b/version", b"3\n")]
+            + [("a/data.pkl", evil), ("a/version", b"3\n")],
+        ),
+        _zip_with(tmp_path / "case.pt", [*ok, ("archive/DATA.pkl", evil)]),
+    ]
+    for path in crafted:
+        with pytest.raises(ValueError):
+            pickles.unsafe_globals(path)
+        with pytest.raises(ValueError):
+            pickles.peek(path, trust=True)
+    found = {f.path: f.rule for f in scan_pickles(tmp_path)}
+    assert found == {p.name: "ckpt-unreadable" for p in crafted}
+    (tmp_path / "sub").mkdir()
+    plain = _zip_with(tmp_path / "sub" / "plain.pt", ok)
+    assert pickles.unsafe_globals(plain) == []  # the same layout, uncrafted, reads fine

@@ -34,22 +34,28 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 
 class BufferPool:
-    """Host buffers reused from one save's snapshot to the next. Only the previous save's
-    buffers are kept (:meth:`trim`), so the pool holds at most one copy of this rank's state;
-    they are handed back only after their file was written, and the next save starts only
-    after every write finished (back-pressure), so a buffer is never reused while read."""
+    """Host buffers reused from one save's snapshot to the next. A buffer is handed back
+    (:meth:`give`) only once its file is written; :meth:`start`, called when the previous save
+    has completed (back-pressure), makes those buffers the ones this save copies into, so a
+    buffer is never reused while read. :meth:`trim` drops what this save did not take: the
+    pool holds at most one copy of this rank's state."""
 
     def __init__(self) -> None:
-        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._free: dict[int, list[torch.UntypedStorage]] = {}  # given back by this save
+        self._prev: dict[int, list[torch.UntypedStorage]] = {}  # the previous save's, to reuse
         self._lock = threading.Lock()
         self.reused = 0
+
+    def start(self) -> None:
+        with self._lock:
+            self._prev, self._free = self._free, {}
 
     def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         n = storage.nbytes()
         if storage.device.type != "cpu" or n == 0:
             return storage.clone()  # device memory is not pooled: it is the scarce kind
         with self._lock:
-            free = self._free.get(n)
+            free = self._prev.get(n)
             buf = free.pop() if free else None
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8).untyped_storage()
@@ -65,9 +71,10 @@ class BufferPool:
                     self._free.setdefault(buf.nbytes(), []).append(buf)
 
     def trim(self) -> None:
-        """Drop the buffers this save did not take (the state's shapes changed)."""
+        """Drop the previous save's buffers this save did not take (shapes changed); buffers
+        this save's own finished files gave back already stay for the next save."""
         with self._lock:
-            self._free.clear()
+            self._prev = {}
 
 
 def snapshot(obj: Any, memo: dict[int, Any] | None = None, pool: BufferPool | None = None) -> Any:
@@ -240,8 +247,6 @@ def _encode_rng(rng: dict[str, Any]) -> dict[str, Any]:
 def _decode_rng(body: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    if not body:
-        return {}
     raw = bytearray(base64.b64decode(body["torch"]))
     return {
         "torch": torch.frombuffer(raw, dtype=torch.uint8).clone(),
@@ -252,20 +257,25 @@ def _decode_rng(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def mark_done(tag_dir: Path, rank: int, rng: dict[str, Any] | None = None) -> None:
+def mark_done(tag_dir: Path, rank: int, rng: dict[str, Any]) -> None:
     """This rank's shards are durable: the marker (atomic, fsynced) carries its RNG states."""
     marker = tag_dir / f".done-rank{rank}"
     tmp = tag_dir / f".done-rank{rank}.tmp"
     with open(tmp, "w") as fh:
-        json.dump(_encode_rng(rng) if rng else {}, fh)
+        json.dump(_encode_rng(rng), fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, marker)
 
 
 def read_markers(tag_dir: Path, world: int) -> list[dict[str, Any]]:
-    """Every rank's RNG states from its marker (after :func:`wait_for_markers`)."""
-    return [
-        _decode_rng(json.loads((tag_dir / f".done-rank{r}").read_text() or "{}"))
-        for r in range(world)
-    ]
+    """Every rank's RNG states from its marker (after :func:`wait_for_markers`). A marker
+    without them fails the save (the RNG file is never written with a rank missing)."""
+    out = []
+    for r in range(world):
+        text = (tag_dir / f".done-rank{r}").read_text()
+        try:
+            out.append(_decode_rng(json.loads(text)))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OSError(f"rank {r}'s marker in {tag_dir} holds no RNG states: {exc}") from None
+    return out

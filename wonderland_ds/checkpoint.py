@@ -5,7 +5,7 @@ Layout of a stage's checkpoint root (``RUN/stageNN/checkpoints``)::
     global_step600/                      DeepSpeed's own files (save_latest=False) plus
         mp_rank_00_model_states.pt       module, lr_scheduler, global_steps, client_state
         zero_pp_rank_R_mp_rank_00_optim_states.pt   one per data-parallel rank
-        wonderland_rng.pt                every rank's RNG states (tensors only)
+        wonderland_rng.pt                every rank's RNG states (loads with weights_only=True)
         wonderland_meta.json             written LAST: contents, versions, sha256 of each file
     latest                               names the newest COMPLETE tag; replaced atomically
 

@@ -1,9 +1,11 @@
 """Describe a checkpoint without trusting it: ``wonderland inspect``.
 
 Works for wonderland checkpoints (metadata + checksums) and for plain DeepSpeed checkpoints
-written by someone else, naming what is missing. Files are read with
-``torch.load(weights_only=True)`` and a small allowlist: a checkpoint is a pickle, and
-inspecting one must never run code from it (DeepSpeed itself loads with weights_only=False).
+written by someone else, naming what is missing. The model-states file is read for its
+structure only (:func:`peek_states`, pickles.py: every global an inert stand-in, no tensor
+bytes, no torch import); :func:`safe_load` (``torch.load(weights_only=True)`` with a small
+allowlist) is for callers that need the tensors. A checkpoint is a pickle, and inspecting one
+must never run code from it (DeepSpeed itself loads with weights_only=False).
 
 Every ``.pt`` file is also scanned for the globals its pickle would call (:func:`scan_pickles`),
 wonderland checkpoints included: the sha256 in the metadata proves a file is what was listed,

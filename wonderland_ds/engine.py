@@ -112,6 +112,7 @@ def save(
     loop was blocked)."""
     t0 = time.perf_counter()
     finish_pending(run, writer)  # back-pressure: the previous save completes first
+    writer.pool.start()  # its buffers (all written now) are this save's to reuse
     step = int(engine.global_steps)
     tag = ck.tag_for(step)
     tag_dir = run.ckpt_root / tag

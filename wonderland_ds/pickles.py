@@ -79,22 +79,33 @@ TORCH_SAFE_GLOBALS = frozenset(
 
 
 def _data_pkl(path: Path | str) -> bytes:
-    """The pickle record of a torch.save zip (what torch's own static reader reads)."""
+    """The pickle record torch.load would run, read the way torch's reader finds it: the file
+    must start with a zip entry (torch unpickles anything else directly, as a legacy file), and
+    the record is ``<first entry's folder>/data.pkl``. Anything ambiguous (bytes before the
+    zip, names that differ only in case, another ``data.pkl``) is refused, never guessed."""
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"PK\x03\x04":
+            raise ValueError("Expected input to be a checkpoint returned by torch.save")
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile:
         raise ValueError("Expected input to be a checkpoint returned by torch.save") from None
     with zf:
-        names = zf.namelist()
-        if any(n.split("/")[-1] == "constants.pkl" for n in names):
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        lowered = [n.lower() for n in names]
+        if not infos or infos[0].header_offset != 0 or len(set(lowered)) != len(lowered):
+            raise ValueError("not a plain torch.save zip (data before it, or duplicate names)")
+        if any(n.split("/")[-1] == "constants.pkl" for n in lowered):
             raise ValueError(
                 "Expected input to be a checkpoint returned by torch.save but got a torchscript"
                 " checkpoint"
             )
-        pkl = [n for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
-        if not pkl or f"{pkl[0].split('/')[0]}/version" not in names:  # as torch's reader
+        folder = lowered[0].split("/")[0]
+        pkls = [n for n in lowered if n.endswith("data.pkl")]
+        if pkls != [f"{folder}/data.pkl"] or f"{folder}/version" not in lowered:
             raise ValueError("Expected input to be a checkpoint returned by torch.save")
-        return zf.read(pkl[0])
+        return zf.read(names[lowered.index(f"{folder}/data.pkl")])
 
 
 # Opcodes torch's static reader (torch._weights_only_unpickler.get_globals_in_pkl) accepts,

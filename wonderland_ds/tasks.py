@@ -43,7 +43,16 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["Normalize", "Split", "Task", "digits", "pylm", "load", "normalization_stats"]  # noqa: F822
+__all__ = [
+    "Normalize",  # noqa: F822 - provided lazily by __getattr__ (no torch import here)
+    "Source",
+    "Split",
+    "Task",
+    "digits",
+    "pylm",
+    "load",
+    "normalization_stats",
+]  # noqa: F822
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,19 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.y)
+
+
+@dataclass(frozen=True)
+class Source:
+    """``make_splits`` with a cheap digest of everything the splits are made from (file names,
+    sizes and modification times, library versions, this module's code): equal keys are taken
+    to mean equal data. Only for sources whose every input ``key`` covers."""
+
+    build: Callable[[], tuple[Split, Split]]
+    key: Callable[[], str]
+
+    def __call__(self) -> tuple[Split, Split]:
+        return self.build()
 
 
 @dataclass(frozen=True)
@@ -75,11 +97,14 @@ class Task:
     train: Split | None = None
     heldout: Split | None = None
     fingerprint_value: str | None = None
-    source_key: Callable[[], str] | None = None
-    """A cheap digest of the raw source (no data built): equal keys mean equal data. Only
-    for sources whose every input it covers; user tasks leave it None (full check)."""
     source_key_value: str | None = None
     """The key of the source this task's data was built from (recorded in its cache)."""
+
+    @property
+    def source_key(self) -> Callable[[], str] | None:
+        """The cheap source digest of ``make_splits`` when it is a :class:`Source` (built-in
+        tasks); None otherwise, also when a task replaced a built-in's ``make_splits``."""
+        return self.make_splits.key if isinstance(self.make_splits, Source) else None
 
     @property
     def fingerprint(self) -> str:
@@ -164,6 +189,7 @@ def _code_key() -> str:
 
 def _files_key(*parts: Any, files: list[Path]) -> str:
     h = hashlib.sha256(_code_key().encode())
+    h.update(f"numpy {np.__version__}\0".encode())  # its RNG streams and array code make data
     h.update(repr(parts).encode())
     for path in files:
         st = path.stat()
@@ -186,8 +212,9 @@ def digits(minority: tuple[int, ...] = (3, 8), share: float = 0.12) -> Task:
         name="digits",
         num_classes=10,
         build_model=_digits_model,
-        make_splits=lambda: _digits_splits(minority, share),
-        source_key=lambda: _digits_source_key(minority, share),
+        make_splits=Source(
+            lambda: _digits_splits(minority, share), lambda: _digits_source_key(minority, share)
+        ),
         minority_classes=minority,
         class_names=tuple(str(c) for c in range(10)),
     )
@@ -264,9 +291,11 @@ def pylm(dim: int = 128, layers: int = 4) -> Task:
         kind="lm",
         normalize=False,
         build_model=lambda: _pylm_model(dim, layers),
-        make_splits=lambda: _pylm_splits(meta),
+        make_splits=Source(
+            lambda: _pylm_splits(meta),
+            lambda: _files_key("pylm", PYLM_CONTEXT, PYLM_BYTES, files=_pylm_used_files()),
+        ),
         meta=meta,
-        source_key=lambda: _files_key("pylm", PYLM_CONTEXT, PYLM_BYTES, files=_pylm_used_files()),
     )
 
 
