@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers.util import REPO
@@ -44,3 +46,33 @@ def test_openmpi_launcher_is_passed_with_mpirun_on_path(tmp_path):
     assert local is not None
     cmd, _, _ = launch.build(local, None, ["--stage", "15"], tmp_path, 29500)
     assert "--launcher" not in cmd and "--no_ssh_check" in cmd
+
+
+def _launch_cmd(tmp_path: Path, marker: Path) -> tuple[list[str], dict[str, str]]:
+    script = tmp_path / "job.py"
+    script.write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    cmd = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "1", "--no_ssh_check"]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(launch.free_port()), str(script)]
+    return cmd, dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def test_the_early_launcher_launches_nothing_until_released(tmp_path):
+    """`wonderland train` starts DeepSpeed's launcher while its preflight runs (the launcher's
+    2 s import overlaps the checks): refused or abandoned, it has launched nothing; released,
+    it runs the command exactly as the `deepspeed` script would."""
+    marker = tmp_path / "ran.txt"
+    cmd, env = _launch_cmd(tmp_path, marker)
+    refused = launch.Launch(cmd, env)
+    assert refused.proc is not None  # preloading DeepSpeed's runner
+    time.sleep(1.0)
+    refused.cancel()  # the preflight refused
+    assert refused.proc.returncode is not None and not marker.exists()
+
+    abandoned = launch.Launch(cmd, env)
+    os.close(abandoned._w)  # the front died: end of file, no "go"
+    abandoned._w = None
+    assert abandoned.proc.wait(timeout=60) == 0 and not marker.exists()
+
+    released = launch.Launch(cmd, env)
+    assert released.go() == 0
+    assert marker.read_text() == "ran\n"  # one rank ran the job, once

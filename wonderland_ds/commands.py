@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -70,12 +69,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     hf = _hostfile(args.hostfile)
     world = args.nproc * len(hf.hosts) if args.nproc else hf.world_size
     run_dir = resolve_run_dir(args)
-    decided = plan_stage(args, world, run_dir)
+    receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd, env, notes = launch.build(
         hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port, args.launcher
     )
+    cmd += ["--verified", str(receipt.resolve())]
+    # DeepSpeed's launcher imports itself while the preflight below runs; it launches
+    # nothing until released (launch.Launch), and is killed if the preflight refuses.
+    early = None if args.dry_run else launch.Launch(cmd, env)
+    try:
+        decided = plan_stage(args, world, run_dir)
+    except BaseException:
+        if early is not None:
+            early.cancel()
+        raise
     plan = decided["plan"]
     if args.dry_run:
+        cmd = cmd[: cmd.index("--verified")]
         report = {
             "run_dir": str(run_dir),
             "world_size": world,
@@ -96,20 +106,23 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(f"note: {note}")
             print("dry run: nothing launched")
         return EXIT_OK
-    render(plan.findings, False)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    notes += launch.write_env_file(run_dir, env)[1]
-    # Rank 0 preflights again (the plain `deepspeed ... train.py` path has no front process);
-    # hand it what was verified here so it does not read the checkpoint and data twice.
-    from .stage import write_receipt
+    assert early is not None
+    try:
+        render(plan.findings, False)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        notes += launch.write_env_file(run_dir, env)[1]
+        # Rank 0 preflights again (the plain `deepspeed ... train.py` path has no front
+        # process); hand it what was verified here so it reads the checkpoint and data once.
+        from .stage import write_receipt
 
-    receipt = run_dir / f".verified-stage{args.stage}.json"
-    write_receipt(receipt)
-    cmd += ["--verified", str(receipt.resolve())]
-    for note in notes:
-        print(f"note: {note}")
-    print("launch: " + shlex.join(cmd), flush=True)
-    rc = subprocess.call(cmd, env=env)
+        write_receipt(receipt)
+        for note in notes:
+            print(f"note: {note}")
+        print("launch: " + shlex.join(cmd), flush=True)
+    except BaseException:
+        early.cancel()
+        raise
+    rc = early.go()
     # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
     # this launch is alive now, so its buffers (named by its port) can go.
     from .distributed import shm_buffers

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -104,3 +106,60 @@ def write_env_file(run_dir: Path, env: dict[str, str]) -> tuple[Path, list[str]]
     tmp.write_text("".join(lines))
     os.replace(tmp, path)
     return path, notes
+
+
+#: DeepSpeed's ``deepspeed`` console script, started before the front process has finished its
+#: checks: it imports DeepSpeed (torch included, 1.7-2.5 s here) while the front verifies the
+#: checkpoint, then waits for one line on the file descriptor it is given. "go" runs the
+#: runner exactly as the script would; anything else (the front refused, or died) exits
+#: having launched nothing.
+_PRELOAD = """
+import os, sys
+from deepspeed.launcher.runner import main
+fd = int(sys.argv[1])
+with os.fdopen(fd, "r") as go:
+    if go.readline() != "go\\n":
+        sys.exit(0)
+sys.argv = ["deepspeed", *sys.argv[2:]]
+main()
+"""
+
+
+class Launch:
+    """DeepSpeed's launcher started early, released by :meth:`go` once the preflight passed,
+    or killed by :meth:`cancel` (it has launched nothing then). Without a ``deepspeed`` next
+    to this Python (the one preloaded would not be the one named), it simply runs ``cmd`` at
+    :meth:`go`."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+        self.cmd, self.env = cmd, env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._w: int | None = None
+        if Path(cmd[0]) == Path(sys.executable).with_name("deepspeed"):
+            r, self._w = os.pipe()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _PRELOAD, str(r), *cmd[1:]], env=env, pass_fds=(r,)
+            )
+            os.close(r)
+
+    def go(self) -> int:
+        """Release the launcher (or start it) and wait for it; its exit code."""
+        if self.proc is None:
+            return subprocess.call(self.cmd, env=self.env)
+        assert self._w is not None
+        os.write(self._w, b"go\n")
+        os.close(self._w)
+        self._w = None
+        try:
+            return self.proc.wait()
+        except KeyboardInterrupt:  # the launcher got the same SIGINT: let it stop its ranks
+            return self.proc.wait()
+
+    def cancel(self) -> None:
+        """Before :meth:`go` only: the preloaded launcher has started nothing; stop it."""
+        if self._w is not None:
+            os.close(self._w)
+            self._w = None
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
