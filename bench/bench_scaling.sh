@@ -14,7 +14,7 @@ run() {  # NPROC DIM LAYERS
   $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 \
     --master_port $((29600 + RANDOM % 300)) bench/bench_engine.py --out "$out/$name.json" \
     --task pylm --dim "$dim" --layers "$layers" --micro 2 --gas 1 --zero 2 \
-    --steps 8 --reps 1 --save 2 > "$out/$name.log" 2>&1
+    --steps 8 --reps 1 --save 3 > "$out/$name.log" 2>&1
   echo "== $name"
 }
 for size in "128 4" "256 4" "384 6" "512 8"; do
