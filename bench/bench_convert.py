@@ -60,15 +60,9 @@ def make_checkpoint(work: Path, dim: int, layers: int) -> Path:
 def stock(source: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal as d2u
 
-    args = argparse.Namespace(
-        input_folder=str(source),
-        output_folder=str(out),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
+    from wonderland_ds.universal import converter_args
+
+    args = converter_args(source, out)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         d2u.main(args)
 

@@ -213,6 +213,20 @@ def in_memory_fragments(output_folder: str) -> Iterator[FragmentStore]:
         store._by_stem.clear()
 
 
+def converter_args(source: Path, out: Path) -> argparse.Namespace:
+    """``ds_to_universal``'s command line as its ``main`` takes it: one worker each (2 or 4
+    were no faster on 2 cores, and a pool must not be forked from a rank)."""
+    return argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=False,
+    )
+
+
 def _run_ds_to_universal(source: Path, out: Path) -> tuple[str | None, dict[str, Any]]:
     """DeepSpeed's own converter, in this process with one worker: rank 0 has DeepSpeed
     imported already (a separate ``python -m`` paid 2.3 s of imports and interpreter start on
@@ -226,15 +240,7 @@ def _run_ds_to_universal(source: Path, out: Path) -> tuple[str | None, dict[str,
     how it ran: recorded in the conversion's metadata)."""
     from deepspeed.checkpoint import ds_to_universal as d2u
 
-    args = argparse.Namespace(
-        input_folder=str(source),
-        output_folder=str(out),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=False,
-    )
+    args = converter_args(source, out)
     info: dict[str, Any] = {"converter": "deepspeed.checkpoint.ds_to_universal"}
     why_stock = fast_path_unavailable() or _fragments_do_not_fit(source)
     log = io.StringIO()
