@@ -133,7 +133,7 @@ def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):
         np.random.seed(100 + rank)
         states.append(async_ckpt.rng_states())
         async_ckpt.mark_done(tag_dir, rank, states[-1])
-    ck.finalize(root, tag_dir, 2, {"global_step": 5, "stage": 15}, None, 1, 5.0)
+    ck.finalize(root, tag_dir, 2, {"global_step": 5, "stage": 15}, 1, 5.0)
     saved = torch.load(tag_dir / ck.RNG_FILE, weights_only=True)["ranks"]  # tensors only
     for rank in range(2):
         assert torch.equal(saved[rank]["torch"], states[rank]["torch"])

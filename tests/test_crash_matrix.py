@@ -37,7 +37,7 @@ def save(root: Path, step: int, hook) -> None:
         w.submit(lambda rank=rank: async_ckpt.mark_done(tag_dir, rank, async_ckpt.rng_states()))
     meta = {"global_step": step, "stage": 15}
     writers[0].submit(
-        lambda: ck.finalize(root, tag_dir, WORLD, meta, None, keep_last=1, timeout_s=30, hook=hook)
+        lambda: ck.finalize(root, tag_dir, WORLD, meta, keep_last=1, timeout_s=30, hook=hook)
     )
     for w in writers:
         w.wait()

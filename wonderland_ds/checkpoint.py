@@ -104,6 +104,14 @@ def tag_for(step: int) -> str:
     return f"global_step{step}"
 
 
+def _in_threads(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``fn`` over ``items`` in 4 threads, results in order: fsync and sha256 release the GIL."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(fn, items))
+
+
 def _fsync_and_hash(f: Path) -> dict[str, Any]:
     with open(f, "rb") as fh:
         os.fsync(fh.fileno())
@@ -115,14 +123,10 @@ def hash_files(tag_dir: Path) -> dict[str, dict[str, Any]]:
     sub-folder (a universal checkpoint has one per parameter). Four threads: fsync and sha256
     release the GIL, and a universal checkpoint has ~400 small files whose fsyncs were 0.4-0.7 s
     one after the other."""
-    from concurrent.futures import ThreadPoolExecutor
-
     entries = sorted(tag_dir.rglob("*"))
     names = [f for f in entries if f.is_file() and f.name != META and not f.name.startswith(".")]
-    folders = [d for d in entries if d.is_dir()]
-    with ThreadPoolExecutor(4) as pool:
-        done = list(pool.map(_fsync_and_hash, names))
-        list(pool.map(fsync_dir, folders))
+    done = _in_threads(_fsync_and_hash, names)
+    _in_threads(fsync_dir, [d for d in entries if d.is_dir()])
     return {f.relative_to(tag_dir).as_posix(): d for f, d in zip(names, done)}
 
 
@@ -212,16 +216,15 @@ def verify(tag_dir: Path, deep: bool = True) -> Verdict:
             None,
         )
     out: list[Finding] = []
-    if deep:  # hash in parallel first (sha256 releases the GIL); the loop below reads the cache
-        from concurrent.futures import ThreadPoolExecutor
-
-        todo = [
-            tag_dir / rel
-            for rel, info in meta.get("files", {}).items()
-            if (tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == info["bytes"]
-        ]
-        with ThreadPoolExecutor(4) as pool:
-            list(pool.map(verified_sha256, todo))
+    if deep:  # hash in parallel first; the checks below read verified_sha256's cache
+        _in_threads(
+            verified_sha256,
+            [
+                tag_dir / rel
+                for rel, info in meta.get("files", {}).items()
+                if (tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == info["bytes"]
+            ],
+        )
     for rel, info in sorted(meta.get("files", {}).items()):
         p = tag_dir / rel
         if not p.is_file():
@@ -309,22 +312,21 @@ def finalize(
     tag_dir: Path,
     world: int,
     meta: dict[str, Any],
-    rngs: list[Any] | None,
     keep_last: int,
     timeout_s: float,
     hook: Hook = _noop,
 ) -> None:
     """Complete a save once every rank's shards are durable (their ``.done-rankR`` markers):
-    RNG states (``rngs``, or when None each rank's from its marker), then the metadata (the checkpoint is now complete), then ``latest``, then
-    retention. ``hook(point)`` runs at each named point (fault injection, crash tests)."""
+    the RNG states every rank's marker carries, then the metadata (the checkpoint is now
+    complete), then ``latest``, then retention. ``hook(point)`` runs at each named point
+    (fault injection, crash tests)."""
     import torch
 
     from .async_ckpt import read_markers, wait_for_markers
 
     wait_for_markers(tag_dir, world, timeout_s)
     hook("after-shards")
-    if rngs is None:
-        rngs = read_markers(tag_dir, world)
+    rngs = read_markers(tag_dir, world)
     tmp = tag_dir / f".{RNG_FILE}.tmp"
     torch.save({"ranks": rngs}, tmp)
     os.replace(tmp, tag_dir / RNG_FILE)

@@ -62,6 +62,37 @@ def _stage_argv(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return out
 
 
+def _dry_run(
+    args: argparse.Namespace,
+    run_dir: Path,
+    world: int,
+    cmd: list[str],
+    decided: dict,
+    notes: list[str],
+) -> int:
+    plan = decided["plan"]
+    report = {
+        "run_dir": str(run_dir),
+        "world_size": world,
+        "command": cmd,
+        "deepspeed_config": decided["ds_dict"],
+        "preflight": plan.to_dict(),
+        "notes": notes,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("resolved DeepSpeed config:")
+        print(json.dumps(decided["ds_dict"], indent=2))
+        print("preflight:")
+        render(plan.findings, False)
+        print("launch command:\n  " + shlex.join(cmd))
+        for note in notes:
+            print(f"note: {note}")
+        print("dry run: nothing launched")
+    return EXIT_OK
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from . import launch, manifest
     from .stage import plan_stage, resolve_run_dir
@@ -69,45 +100,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     hf = _hostfile(args.hostfile)
     world = args.nproc * len(hf.hosts) if args.nproc else hf.world_size
     run_dir = resolve_run_dir(args)
-    receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd, env, notes = launch.build(
         hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port, args.launcher
     )
+    if args.dry_run:
+        return _dry_run(args, run_dir, world, cmd, plan_stage(args, world, run_dir), notes)
+    receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd += ["--verified", str(receipt.resolve())]
     # DeepSpeed's launcher imports itself while the preflight below runs; it launches
     # nothing until released (launch.Launch), and is killed if the preflight refuses.
-    early = None if args.dry_run else launch.Launch(cmd, env)
+    early = launch.Launch(cmd, env)
     try:
-        decided = plan_stage(args, world, run_dir)
-    except BaseException:
-        if early is not None:
-            early.cancel()
-        raise
-    plan = decided["plan"]
-    if args.dry_run:
-        cmd = cmd[: cmd.index("--verified")]
-        report = {
-            "run_dir": str(run_dir),
-            "world_size": world,
-            "command": cmd,
-            "deepspeed_config": decided["ds_dict"],
-            "preflight": plan.to_dict(),
-            "notes": notes,
-        }
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            print("resolved DeepSpeed config:")
-            print(json.dumps(decided["ds_dict"], indent=2))
-            print("preflight:")
-            render(plan.findings, False)
-            print("launch command:\n  " + shlex.join(cmd))
-            for note in notes:
-                print(f"note: {note}")
-            print("dry run: nothing launched")
-        return EXIT_OK
-    assert early is not None
-    try:
+        plan = plan_stage(args, world, run_dir)["plan"]
         render(plan.findings, False)
         run_dir.mkdir(parents=True, exist_ok=True)
         notes += launch.write_env_file(run_dir, env)[1]

@@ -149,7 +149,6 @@ def save(
                 tag_dir,
                 dist.world_size(),
                 meta,
-                None,  # from the markers
                 run.settings.keep_last,
                 timeout,
                 lambda point: faults.maybe(run.fault, f"save-{point}", step, 0),
