@@ -144,20 +144,34 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
     run.stage_dir.mkdir(parents=True, exist_ok=True)
     engine = build(run, None if not task.normalize else _stats(task))
     params = sum(p.numel() for p in engine.module.parameters())
+    mb = config["train_micro_batch_size_per_gpu"]
+    dtype = next(engine.module.parameters()).dtype
+
+    def train_step(writer: async_ckpt.Writer | None = None) -> float:
+        """One optimizer step as the stage loop takes it: the fence (wonderland's side) before
+        the optimizer update. Returns the seconds the fence waited."""
+        waited = 0.0
+        for m in range(config["gradient_accumulation_steps"]):
+            xb = torch.from_numpy(task.train.x[:mb])
+            xb = xb.to(dtype) if xb.is_floating_point() else xb
+            engine.backward(task.loss(engine(xb), torch.from_numpy(task.train.y[:mb])))
+            if writer is not None and m == config["gradient_accumulation_steps"] - 1:
+                waited = getattr(writer, "fence", lambda: 0.0)()
+            engine.step()
+        return waited
+
     # One real optimizer step first: a checkpoint worth timing has Adam's moments in it
     # (without a step the optimizer files hold only the fp32 master weights, 1/3 the bytes).
-    mb = config["train_micro_batch_size_per_gpu"]
-    for _ in range(config["gradient_accumulation_steps"]):
-        xb = torch.from_numpy(task.train.x[:mb])
-        xb = xb.to(engine.module.parameters().__next__().dtype) if xb.is_floating_point() else xb
-        engine.backward(task.loss(engine(xb), torch.from_numpy(task.train.y[:mb])))
-        engine.step()
+    train_step()
     out: dict = {
         "params": params,
         "ds_sync_s": [],
         "ds_sync_durable_s": [],
         "wl_blocked_s": [],
+        "wl_fence_s": [],
         "wl_complete_s": [],
+        "ds_step_after_s": [],
+        "wl_step_after_s": [],
     }
     prog = Progress()
     original = engine.checkpoint_engine
@@ -176,13 +190,24 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
                     os.fsync(fh.fileno())
         dist.barrier()
         out["ds_sync_durable_s"].append(time.perf_counter() - t0)
+        # The step after the save, as training goes on (DeepSpeed's save has finished).
+        t1 = time.perf_counter()
+        train_step()
+        out["ds_step_after_s"].append(max(dist.gather_all(time.perf_counter() - t1)))
         engine.global_steps = rep + 1
         engine.checkpoint_engine = ours  # as in a stage: one writer (and buffer pool) per run
         dist.barrier()
         t0 = time.perf_counter()
         _, blocked = save(run, engine, prog, None, writer)
+        # Training goes on while the writer serializes the held tensors; the fence before the
+        # optimizer update is the rest of the blocked time (engine.fit does the same).
+        t1 = time.perf_counter()
+        fence = train_step(writer)
+        step_after = time.perf_counter() - t1
         # The slowest rank's blocked time (DeepSpeed's side is timed barrier to barrier).
-        out["wl_blocked_s"].append(max(dist.gather_all(blocked)))
+        out["wl_blocked_s"].append(max(dist.gather_all(blocked + fence)))
+        out["wl_fence_s"].append(max(dist.gather_all(fence)))
+        out["wl_step_after_s"].append(max(dist.gather_all(step_after)))
         writer.wait()
         dist.barrier()
         out["wl_complete_s"].append(time.perf_counter() - t0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -141,3 +142,122 @@ def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):
         assert saved[rank]["python"] == states[rank]["python"]
     assert not torch.equal(saved[0]["torch"], saved[1]["torch"])
     assert not list(tag_dir.glob(".done-rank*"))  # markers removed once complete
+
+
+def _slow_writer(gate: threading.Event) -> Writer:
+    """A writer whose every file waits for ``gate`` before it is serialized."""
+    return Writer(lambda point: gate.wait(30) if point == "before-file" else None)
+
+
+def test_held_file_reads_the_live_tensor_so_the_fence_must_wait(tmp_path):
+    """Negative control: a held tensor is not copied, so a change before it is written
+    reaches the file. This is the hazard the fence exists for."""
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    live = torch.zeros(4)
+    w.write({"p": live}, str(tmp_path / "a.pt"), True, held=True)
+    live += 7  # an optimizer step without the fence
+    gate.set()
+    w.wait()
+    w.close()
+    assert torch.load(tmp_path / "a.pt")["p"].tolist() == [7, 7, 7, 7]
+
+
+def test_fence_waits_until_held_files_are_serialized(tmp_path):
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    live = torch.zeros(4)
+    w.write({"p": live}, str(tmp_path / "a.pt"), True, held=True)
+    w.write({"q": torch.ones(2)}, str(tmp_path / "b.pt"), True)  # a copied file: not held
+    threading.Timer(0.3, gate.set).start()
+    waited = w.fence()
+    live += 7  # the optimizer step, after the fence
+    w.wait()
+    w.close()
+    assert waited >= 0.25
+    assert torch.load(tmp_path / "a.pt")["p"].tolist() == [0, 0, 0, 0]
+    assert w.fence() == 0.0  # nothing held any more: the per-step call costs nothing
+
+
+def test_a_failed_held_file_releases_the_fence(tmp_path):
+    """A write that fails (and the later ones it makes the writer skip) must not leave the
+    training loop waiting forever: the error surfaces at the next wait instead."""
+    w = Writer()
+    w.write({"p": torch.zeros(2)}, str(tmp_path / "missing" / "a.pt"), True, held=True)
+    w.write({"p": torch.zeros(2)}, str(tmp_path / "b.pt"), True, held=True)  # skipped
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.fence(), done.set()), daemon=True).start()
+    assert done.wait(10), "fence never returned after a failed write"
+    with pytest.raises(OSError, match="could not write"):
+        w.wait()
+    w.close()
+
+
+def test_engine_holds_step_only_storages_and_copies_the_rest(tmp_path):
+    """Parameters and optimizer state (views included) are held; a buffer, which a forward
+    may update, is copied: changing both before the write shows which is which."""
+    from wonderland_ds.async_ckpt import SnapshotCheckpointEngine
+
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    flat = torch.zeros(6)  # e.g. DeepSpeed's flat fp32 partition, saved as views
+    buffer = torch.zeros(3)
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({flat.data_ptr()}))
+    eng.save({"w": flat[:3], "b": flat[3:], "running": buffer}, str(tmp_path / "s.pt"))
+    assert w._held == 1  # the file is marked held
+    buffer += 1  # a forward updates the buffer before the file is written
+    flat += 5  # the optimizer step: only after the fence in a real loop
+    gate.set()
+    w.wait()
+    w.close()
+    saved = torch.load(tmp_path / "s.pt")
+    assert saved["running"].tolist() == [0, 0, 0]  # copied at the save
+    assert saved["w"].tolist() == [5, 5, 5]  # held: the live tensor, as the control shows
+    assert saved["w"].untyped_storage().data_ptr() == saved["b"].untyped_storage().data_ptr()
+
+
+@pytest.mark.slow
+def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
+    """Real DeepSpeed, 2 gloo ranks, ZeRO-1/2/3, bf16: wonderland's save at step 2 holds the
+    live parameters and optimizer state while 3 more steps run (the writer made slow, so the
+    fence really waits), and every file equals DeepSpeed's own synchronous save at step 2.
+    Without the fence the optimizer files differ: the check can fail."""
+    import json
+    import os
+
+    from tests.helpers.util import REPO
+    from wonderland_ds.launch import free_port
+
+    def run(out, *flags):
+        port, procs = str(free_port()), []
+        for r in range(2):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r))
+            env |= dict(LOCAL_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            env["OMP_NUM_THREADS"] = "1"
+            cmd = [sys.executable, str(REPO / "tests/helpers/held_save_check.py"), str(out)]
+            procs.append(
+                subprocess.Popen(
+                    cmd + list(flags),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=REPO,
+                )
+            )
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+        lines = [ln for ln in outs[0].splitlines() if ln.startswith("HELD-SAVE ")]
+        return [json.loads(ln[len("HELD-SAVE ") :]) for ln in lines]
+
+    fenced = run(tmp_path / "fenced")
+    assert [ranks[0]["zero"] for ranks in fenced] == [1, 2, 3]
+    for ranks in fenced:
+        for rep in ranks:
+            assert rep["held_files"] and rep["files"] >= 3
+            assert all(rep["equal"].values()), rep
+            assert rep["fence_waited_s"] > 0.2, rep  # the steps really overlapped the writer
+    unfenced = run(tmp_path / "unfenced", "--no-fence")
+    for ranks in unfenced:
+        optim = {f: ok for f, ok in ranks[0]["equal"].items() if "optim_states" in f}
+        assert optim and not any(optim.values()), ranks[0]  # the hazard is real

@@ -8,8 +8,14 @@ then waits for every rank's marker and only then hashes the files, writes the me
 replaces ``latest``: the crash-safety contract of checkpoint.py is unchanged, only the waiting
 moved off the training loop. The next save waits for the previous one (back-pressure).
 
-Two things keep the blocked window short (BENCHMARKS.md section 3):
-* the snapshot copies into buffers kept from the previous save (:class:`BufferPool`): a copy
+Three things keep the blocked window short (BENCHMARKS.md section 3):
+* most of the state is not copied at all. Parameters, fp32 master weights and optimizer moments
+  change only in an optimizer step, so the writer serializes them straight from the live
+  tensors (they are *held*) while the next step's forward and backward run, and the loop calls
+  :meth:`Writer.fence` before that step's optimizer update: it waits until no held file is
+  still being serialized. Everything else in a state dict (buffers, which a forward may
+  update; DeepSpeed's loss scaler; anything we cannot place) is copied as before;
+* what is copied goes into buffers kept from the previous save (:class:`BufferPool`): a copy
   into fresh memory pays a page fault per 4 KiB page, 2-3x the copy itself on this machine;
 * each rank's RNG states travel in its ``.done-rankR`` marker, written by its own writer, so no
   collective gathers them on the training loop's time.
@@ -77,15 +83,24 @@ class BufferPool:
             self._prev = {}
 
 
-def snapshot(obj: Any, memo: dict[int, Any] | None = None, pool: BufferPool | None = None) -> Any:
+def snapshot(
+    obj: Any,
+    memo: dict[int, Any] | None = None,
+    pool: BufferPool | None = None,
+    held: frozenset[int] = frozenset(),
+) -> Any:
     """A copy that later training steps cannot change. Tensor storages are copied once each
     (into ``pool``'s reused buffers when given) and views rebuilt on the copies, so the file is
-    the same as DeepSpeed would write. ``memo`` ends up holding every copied storage."""
+    the same as DeepSpeed would write. ``memo`` ends up holding every copied storage. Tensors
+    whose storage is in ``held`` (by data pointer: only an optimizer step writes them) are
+    kept as they are, uncopied; the caller fences the next step."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         storage = t.untyped_storage()
         key = storage.data_ptr() if storage.nbytes() else id(t)
+        if key in held:
+            return obj
         if key not in memo:
             memo[key] = pool.copy(storage) if pool is not None else storage.clone()
         out = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -93,11 +108,11 @@ def snapshot(obj: Any, memo: dict[int, Any] | None = None, pool: BufferPool | No
     # Exact types only: subclasses (torch.Size, defaultdict, named tuples) keep their type
     # through deepcopy below, and DeepSpeed's loaders rely on them (e.g. Size.numel()).
     if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, snapshot(v, memo, pool)) for k, v in obj.items())
+        return type(obj)((k, snapshot(v, memo, pool, held)) for k, v in obj.items())
     if type(obj) is list:
-        return [snapshot(v, memo, pool) for v in obj]
+        return [snapshot(v, memo, pool, held) for v in obj]
     if type(obj) is tuple:
-        return tuple(snapshot(v, memo, pool) for v in obj)
+        return tuple(snapshot(v, memo, pool, held) for v in obj)
     if isinstance(obj, (str, int, float, bool, type(None))):
         return obj
     return copy.deepcopy(obj)
@@ -113,6 +128,7 @@ class Writer:
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
+        self._held = 0  # queued files that still read live training tensors
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="wonderland-ckpt", daemon=True)
         self._thread.start()
@@ -128,6 +144,9 @@ class Writer:
             except BaseException as exc:  # surfaced by wait(); the process goes on
                 self._error = exc
             finally:
+                release = getattr(job, "release", None)
+                if release is not None:
+                    release()  # a skipped or failed held file no longer holds the loop
                 with self._lock:
                     self._pending -= 1
                     self._lock.notify_all()
@@ -143,14 +162,28 @@ class Writer:
         path: str,
         zipfile: bool,
         buffers: list[torch.UntypedStorage] | None = None,
+        held: bool = False,
     ) -> None:
         """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
-        once the file is written."""
+        once the file is written. ``held``: ``obj`` holds live tensors, and :meth:`fence`
+        waits until they are serialized (into the page cache; fsync and rename come after)."""
+        released = threading.Event()
+
+        def release() -> None:
+            if held and not released.is_set():
+                released.set()
+                with self._lock:
+                    self._held -= 1
+                    self._lock.notify_all()
 
         def job() -> None:
             tmp = f"{path}.tmp"
             try:
-                torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
+                self.hook("before-file")
+                try:
+                    torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
+                finally:
+                    release()
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
                 self.hook("mid-file")
@@ -166,11 +199,26 @@ class Writer:
                     ) from exc
                 raise
 
+        job.release = release  # type: ignore[attr-defined]
+        if held:
+            with self._lock:
+                self._held += 1
         self.submit(job)
 
     @property
     def pending(self) -> int:
         return self._pending
+
+    def fence(self) -> float:
+        """Block until no queued file still reads live tensors: call it before anything
+        changes them (the optimizer step after a save). Returns the seconds it waited."""
+        if not self._held:  # the common case, every step: no lock
+            return 0.0
+        t0 = time.perf_counter()
+        with self._lock:
+            while self._held:
+                self._lock.wait()
+        return time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -190,22 +238,70 @@ class Writer:
 
 
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
-    """DeepSpeed checkpoint engine: ``save`` snapshots in memory and queues the write."""
+    """DeepSpeed checkpoint engine: ``save`` snapshots in memory and queues the write.
+    ``step_only`` gives the storages only an optimizer step writes (:func:`step_only_storages`):
+    those are held, not copied, and the file is marked held (the loop fences the next step)."""
 
-    def __init__(self, base: Any, writer: Writer) -> None:
+    def __init__(
+        self, base: Any, writer: Writer, step_only: Callable[[], frozenset[int]] = frozenset
+    ) -> None:
         self.name = "WonderlandSnapshotCheckpointEngine"
         self.zipfile_serialization = getattr(base, "zipfile_serialization", True)
         self.writer = writer
+        self.step_only = step_only
 
     def save(self, state_dict: Any, path: str) -> None:
         memo: dict[int, Any] = {}
-        copy_ = snapshot(state_dict, memo, self.writer.pool)
-        self.writer.write(copy_, path, self.zipfile_serialization, list(memo.values()))
+        step_only = self.step_only()
+        copy_ = snapshot(state_dict, memo, self.writer.pool, step_only)
+        held = any(t.untyped_storage().data_ptr() in step_only for t in _tensors(copy_))
+        self.writer.write(copy_, path, self.zipfile_serialization, list(memo.values()), held)
+
+
+def step_only_storages(engine: Any) -> frozenset[int]:
+    """The host storages (by data pointer) a save may hold until the fence. Only an optimizer
+    step writes the module's parameters (and their ZeRO-3 partitions), the base optimizer's parameters (the fp32
+    master weights) and its state (Adam's moments); forward and backward only read them.
+    Device storages are never held: a device-to-host copy from the writer thread while the
+    next step runs is not something we could test here (no GPU); they are copied as before.
+    Anything not found here (buffers, which a forward may update; DeepSpeed's own scalars) is
+    copied."""
+    step_only: set[int] = set()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                step_only.add(storage.data_ptr())
+
+    for p in engine.module.parameters():
+        add(p)
+        add(getattr(p, "ds_tensor", None))
+    base = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for group in getattr(base, "param_groups", []):
+        for p in group["params"]:
+            add(p)
+    for state in getattr(base, "state", {}).values():
+        for v in state.values():
+            add(v)
+    return frozenset(step_only)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 def install(engine: Any, hook: Callable[[str], None] | None = None) -> Writer:
     writer = Writer(hook)
-    engine.checkpoint_engine = SnapshotCheckpointEngine(engine.checkpoint_engine, writer)
+    engine.checkpoint_engine = SnapshotCheckpointEngine(
+        engine.checkpoint_engine, writer, lambda: step_only_storages(engine)
+    )
     return writer
 
 

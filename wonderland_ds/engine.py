@@ -480,13 +480,18 @@ def fit(
             guards.begin(step)
             t0, wait0 = time.perf_counter(), loader.wait_s
             loss_acc, digest = torch.zeros((), dtype=torch.float64, device=engine.device), 0.0
-            for _ in range(gas):
+            for m in range(gas):
                 mbatch = loader.next()
                 _seed_micro(_micro_seed(run.seed, mbatch.position), engine.device)
                 out = engine(mbatch.x.to(engine.device))
                 loss = run.task.loss(out, mbatch.y.to(engine.device))
                 loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
                 engine.backward(loss)
+                if m == gas - 1 and blocked:
+                    # The optimizer update changes what the last save's writer may still be
+                    # serializing from the live tensors: wait for it (async_ckpt.py). The wait
+                    # is part of that save's blocked time.
+                    blocked[-1] += writer.fence()
                 engine.step()
                 # Summed where it lives: one host sync a step (at the guards' all-reduce
                 # below), not one per micro-batch.
