@@ -375,3 +375,46 @@ def test_section_keys_match_deepspeeds_models(section: str, deepspeed_config) ->
             if getattr(m, op, None) is not None
         }
         assert dict(spec.bounds) == bounds, name
+
+
+@pytest.fixture
+def fresh_key_cache(tmp_path, monkeypatch):
+    """ds_keys with an empty on-disk cache in tmp_path, and its in-process caches cleared."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ds_keys._index.cache_clear()
+    ds_keys.model_schema.cache_clear()
+    yield tmp_path / "wonderland_ds"
+    ds_keys._index.cache_clear()
+    ds_keys.model_schema.cache_clear()
+
+
+def test_the_key_cache_holds_exactly_what_the_parse_finds(fresh_key_cache) -> None:
+    known, removed = ds_keys._parse_keys()
+    assert ds_keys._parsed() == (known, removed)  # parsed now, and written
+    (cache_file,) = fresh_key_cache.glob("ds_keys-*.json")
+    ds_keys._index.cache_clear()
+    ds_keys.model_schema.cache_clear()
+    assert ds_keys._load_cache() is not None  # the next process reads it
+    assert ds_keys._parsed() == (known, removed)
+    for rel, cls in ds_keys.SECTION_MODELS.values():
+        assert ds_keys.model_schema(rel, cls) == ds_keys._parse_schema(rel, cls), cls
+    assert "stage" in ds_keys.zero_keys() and "train_batch_size" in known
+    assert len(json.loads(cache_file.read_text())["files"]) >= 40  # every source it read
+
+
+def test_a_changed_deepspeed_source_or_a_damaged_cache_is_parsed_again(fresh_key_cache) -> None:
+    ds_keys._parsed()
+    (cache_file,) = fresh_key_cache.glob("ds_keys-*.json")
+    data = json.loads(cache_file.read_text())
+    rel = sorted(data["files"])[0]
+    data["files"][rel][1] -= 1  # as if that file had been edited since the cache was written
+    data["known"] = ["only_this"]
+    cache_file.write_text(json.dumps(data))
+    assert ds_keys._load_cache() is None
+    ds_keys._index.cache_clear()
+    assert "train_batch_size" in ds_keys.known_keys()  # parsed again, not the stale list
+    assert ds_keys._load_cache() is not None  # and the cache rewritten
+    cache_file.write_text("{not json")
+    assert ds_keys._load_cache() is None
+    ds_keys._index.cache_clear()
+    assert "train_batch_size" in ds_keys.known_keys()

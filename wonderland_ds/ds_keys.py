@@ -11,16 +11,26 @@ constants modules with :mod:`ast` (about 0.1 s) and takes from them:
   models (``SECTION_MODELS``), which forbid extra keys and type-check values.
 
 The test suite checks this against DeepSpeed's real parser (``tests/test_ds_parity.py``).
+
+What the parse finds is kept in ``~/.cache/wonderland_ds/`` (``$XDG_CACHE_HOME``), keyed by
+DeepSpeed's location and this module's own bytes, and used while every source file it was read
+from keeps its size and mtime: every process that checks a config (the front and each rank at
+a stage start) saves the 0.2-0.3 s the parse costs. A cache that cannot be read or written is
+simply not used.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
+import json
+import os
 import re
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
+from typing import Any
 
 _IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -44,8 +54,73 @@ def _config_sources() -> list[Path]:
     )
 
 
+def _cache_file() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    key = hashlib.sha256(str(deepspeed_root()).encode() + Path(__file__).read_bytes())
+    return base / "wonderland_ds" / f"ds_keys-{key.hexdigest()[:16]}.json"
+
+
+def _stats(relpaths: list[str]) -> dict[str, list[int]]:
+    root, out = deepspeed_root(), {}
+    for rel in relpaths:
+        st = (root / rel).stat()
+        out[rel] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _load_cache() -> dict[str, Any] | None:
+    try:
+        data = json.loads(_cache_file().read_text())
+        if data["files"] != _stats(sorted(data["files"])):
+            return None  # DeepSpeed changed (upgraded, edited): parse again
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_cache(data: dict[str, Any]) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 @lru_cache(maxsize=1)
+def _index() -> dict[str, Any]:
+    """Known and removed keys and every SECTION_MODELS schema: from the cache while DeepSpeed's
+    sources are unchanged, else parsed (and cached)."""
+    cached = _load_cache()
+    if cached is not None:
+        return cached
+    root = deepspeed_root()
+    known, removed = _parse_keys()
+    schemas = {
+        f"{rel}:{cls}": {n: [f.annotation, [list(b) for b in f.bounds]] for n, f in spec.items()}
+        for rel, cls in SECTION_MODELS.values()
+        for spec in [_parse_schema(rel, cls)]
+    }
+    files = {p.relative_to(root).as_posix() for p in _config_sources()}
+    files |= {rel for rel, _ in SECTION_MODELS.values()}
+    data = {
+        "files": _stats(sorted(files)),
+        "known": sorted(known),
+        "removed": sorted(removed),
+        "schemas": schemas,
+    }
+    _store_cache(data)
+    return data
+
+
 def _parsed() -> tuple[frozenset[str], frozenset[str]]:
+    index = _index()
+    return frozenset(index["known"]), frozenset(index["removed"])
+
+
+def _parse_keys() -> tuple[frozenset[str], frozenset[str]]:
     keys: set[str] = set()
     removed: set[str] = set()
     for src in _config_sources():
@@ -120,6 +195,16 @@ def _tree(relpath: str) -> ast.Module:
 @cache
 def model_schema(relpath: str, class_name: str) -> dict[str, FieldSpec]:
     """Fields (by name and by alias) of one of DeepSpeed's pydantic config models."""
+    if (relpath, class_name) in SECTION_MODELS.values():
+        fields = _index()["schemas"][f"{relpath}:{class_name}"]
+        return {
+            n: FieldSpec(a, tuple((str(k), float(v)) for k, v in bounds))
+            for n, (a, bounds) in fields.items()
+        }
+    return _parse_schema(relpath, class_name)
+
+
+def _parse_schema(relpath: str, class_name: str) -> dict[str, FieldSpec]:
     for node in ast.walk(_tree(relpath)):
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             fields: dict[str, FieldSpec] = {}
