@@ -156,7 +156,7 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
             xb = xb.to(dtype) if xb.is_floating_point() else xb
             engine.backward(task.loss(engine(xb), torch.from_numpy(task.train.y[:mb])))
             if writer is not None and m == config["gradient_accumulation_steps"] - 1:
-                waited = getattr(writer, "fence", lambda: 0.0)()
+                waited = writer.fence()
             engine.step()
         return waited
 
@@ -196,9 +196,11 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
         out["ds_step_after_s"].append(max(dist.gather_all(time.perf_counter() - t1)))
         engine.global_steps = rep + 1
         engine.checkpoint_engine = ours  # as in a stage: one writer (and buffer pool) per run
+        # What the stage loop learns from its per-step all-reduce: every writer is idle.
+        settled = not any(dist.gather_all(writer.busy))
         dist.barrier()
         t0 = time.perf_counter()
-        _, blocked = save(run, engine, prog, None, writer)
+        _, blocked = save(run, engine, prog, None, writer, settled)
         # Training goes on while the writer serializes the held tensors; the fence before the
         # optimizer update is the rest of the blocked time (engine.fit does the same).
         t1 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 
 import pytest
@@ -261,3 +262,24 @@ def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
     for ranks in unfenced:
         optim = {f: ok for f, ok in ranks[0]["equal"].items() if "optim_states" in f}
         assert optim and not any(optim.values()), ranks[0]  # the hazard is real
+
+
+def test_busy_until_written_and_while_an_error_is_unraised(tmp_path):
+    """The stage loop all-reduces ``busy``: a save skips waiting and agreeing only when no
+    rank's writer is busy, so a writer with an unraised error must read busy."""
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    assert not w.busy
+    w.write({"x": torch.ones(1)}, str(tmp_path / "a.pt"), True)
+    assert w.busy
+    gate.set()
+    w.wait()
+    assert not w.busy
+    w.write({"x": torch.ones(1)}, str(tmp_path / "missing" / "b.pt"), True)
+    while w.pending:
+        time.sleep(0.01)
+    assert w.busy  # idle, but the failure is not raised yet: the next save must agree on it
+    with pytest.raises(OSError):
+        w.wait()
+    assert not w.busy
+    w.close()

@@ -214,6 +214,12 @@ class Writer:
     def pending(self) -> int:
         return self._pending
 
+    @property
+    def busy(self) -> bool:
+        """Writing, or holding an error not yet raised. A writer that is not busy cannot
+        become busy (or fail) until something is submitted again."""
+        return self._pending > 0 or self._error is not None
+
     def fence(self) -> float:
         """Block until no queued file still reads live tensors: call it before anything
         changes them (the optimizer step after a save). Returns the seconds it waited."""

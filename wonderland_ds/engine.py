@@ -105,13 +105,20 @@ def _seed_micro(seed: int, device: Any) -> None:
 
 
 def save(
-    run: StageRun, engine: Any, prog: Progress, loss: float | None, writer: async_ckpt.Writer
+    run: StageRun,
+    engine: Any,
+    prog: Progress,
+    loss: float | None,
+    writer: async_ckpt.Writer,
+    settled: bool = False,
 ) -> tuple[Path, float]:
     """A verified, crash-safe save that blocks training only for an in-memory snapshot
-    (async_ckpt.py; checkpoint.py for the order of writes). Returns (tag dir, seconds the
-    loop was blocked)."""
+    (async_ckpt.py; checkpoint.py for the order of writes). ``settled``: every rank's writer
+    was idle without an error at the last step's all-reduce, so there is nothing to wait for
+    or agree on. Returns (tag dir, seconds the loop was blocked)."""
     t0 = time.perf_counter()
-    finish_pending(run, writer)  # back-pressure: the previous save completes first
+    if not settled:
+        finish_pending(run, writer)  # back-pressure: the previous save completes first
     writer.pool.start()  # its buffers (all written now) are this save's to reuse
     step = int(engine.global_steps)
     tag = ck.tag_for(step)
@@ -120,7 +127,9 @@ def save(
         run.ckpt_root.mkdir(parents=True, exist_ok=True)
         if tag_dir.exists() and ck.read_meta(tag_dir) is None:
             shutil.rmtree(tag_dir)  # a save of this step that never completed: start over
-    dist.barrier()
+    # No barrier of our own: save_checkpoint's first collective is a barrier (after rank 0's
+    # makedirs), before any rank creates a file, so no rank writes into the tag folder before
+    # rank 0 has cleared it.
     state = loader_state(run, prog)
     client = {
         "universal_checkpoint_info": {"universal_checkpoint_version": 0.2},
@@ -501,8 +510,9 @@ def fit(
             prog.samples_consumed += batch
             # [loss sum, sample digest, per-rank grad norms, per-rank fingerprints]: one
             # small all-reduce a step carries every number the guards and the log need.
-            vec = guards.vector(engine.module)
+            vec = guards.vector(engine.module, extra=1)
             vec[0], vec[1] = float(loss_acc), digest
+            vec[-1] = float(writer.busy)  # summed: 0 when every rank's writer is idle
             dist.all_reduce_sum(vec)
             last_loss = float(vec[0]) / (gas * world)
             done = int(engine.global_steps)
@@ -565,7 +575,8 @@ def fit(
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
                 rows = []
-                tag_dir, held = save(run, engine, prog, last_loss, writer)
+                settled = float(vec[-1]) == 0.0
+                tag_dir, held = save(run, engine, prog, last_loss, writer, settled)
                 blocked.append(held)
                 if display is not None and sink is not None:
                     display.checkpoint(tag_dir, held, background=True)

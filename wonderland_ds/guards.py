@@ -90,12 +90,12 @@ class StepGuards:
         self.local_sq.zero_()
         self.t_begin = time.perf_counter()
 
-    def vector(self, module: torch.nn.Module) -> torch.Tensor:
-        """[loss, digest, grad norm per rank, fingerprint per rank, step s, probe s]: the last
-        two are summed over ranks, so every rank reads the same means (probe decisions are
-        collective and must agree)."""
+    def vector(self, module: torch.nn.Module, extra: int = 0) -> torch.Tensor:
+        """[loss, digest, grad norm per rank, fingerprint per rank, step s, probe s, then
+        ``extra`` slots for the caller]: step s and probe s are summed over ranks, so every
+        rank reads the same means (probe decisions are collective and must agree)."""
         w = self.world
-        v = torch.zeros(4 + 2 * w, dtype=torch.float64)
+        v = torch.zeros(4 + 2 * w + extra, dtype=torch.float64)
         v[2 + self.rank] = math.sqrt(float(self.local_sq))
         if self._fingerprint_due():
             v[2 + w + self.rank] = _checksum(module)
