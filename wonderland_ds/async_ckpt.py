@@ -270,8 +270,9 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
 
 def step_only_storages(engine: Any) -> frozenset[int]:
     """The host storages (by data pointer) a save may hold until the fence. Only an optimizer
-    step writes the module's parameters (and their ZeRO-3 partitions), the base optimizer's parameters (the fp32
-    master weights) and its state (Adam's moments); forward and backward only read them.
+    step writes the module's parameters (and their ZeRO-3 partitions), the base optimizer's
+    parameters (the fp32 master weights) and its state (Adam's moments); forward and backward
+    only read them.
     Device storages are never held: a device-to-host copy from the writer thread while the
     next step runs is not something we could test here (no GPU); they are copied as before.
     Anything not found here (buffers, which a forward may update; DeepSpeed's own scalars) is

@@ -71,9 +71,9 @@ def _stats(relpaths: list[str]) -> dict[str, list[int]]:
 def _load_cache() -> dict[str, Any] | None:
     try:
         data = json.loads(_cache_file().read_text())
-        if data["files"] != _stats(sorted(data["files"])):
+        if not isinstance(data, dict) or data["files"] != _stats(sorted(data["files"])):
             return None  # DeepSpeed changed (upgraded, edited): parse again
-        return data if isinstance(data, dict) else None
+        return data
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
