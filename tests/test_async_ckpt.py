@@ -283,3 +283,44 @@ def test_busy_until_written_and_while_an_error_is_unraised(tmp_path):
         w.wait()
     assert not w.busy
     w.close()
+
+
+def test_a_stuck_writer_times_the_fence_out(tmp_path):
+    """A hung disk must end the run with an error, not hang the optimizer update forever."""
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    w.write({"p": torch.zeros(2)}, str(tmp_path / "a.pt"), True, held=True)
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="did not serialize the held tensors"):
+        w.fence(timeout=0.3)
+    assert 0.25 <= time.perf_counter() - t0 < 5
+    gate.set()
+    w.wait()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "feature",
+    ["managed_gradient_accumulation", "zenflow", "super_offload", None],
+)
+def test_nothing_is_held_when_deepspeed_may_step_outside_the_fence(feature):
+    """Unmanaged gradient accumulation, ZenFlow and SuperOffload update the optimizer outside
+    the boundary step the loop fences: then every tensor is copied."""
+    from types import SimpleNamespace
+
+    from wonderland_ds.async_ckpt import step_only_storages
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    base = torch.optim.SGD([p], lr=0.1)
+    engine = SimpleNamespace(
+        module=torch.nn.Linear(2, 2),
+        optimizer=base,
+        managed_gradient_accumulation=lambda: feature != "managed_gradient_accumulation",
+        zenflow=feature == "zenflow",
+        super_offload=lambda: feature == "super_offload",
+    )
+    held = step_only_storages(engine)
+    if feature is None:
+        assert p.untyped_storage().data_ptr() in held and len(held) == 3  # p, weight, bias
+    else:
+        assert held == frozenset()

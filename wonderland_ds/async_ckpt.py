@@ -220,15 +220,22 @@ class Writer:
         become busy (or fail) until something is submitted again."""
         return self._pending > 0 or self._error is not None
 
-    def fence(self) -> float:
+    def fence(self, timeout: float | None = None) -> float:
         """Block until no queued file still reads live tensors: call it before anything
-        changes them (the optimizer step after a save). Returns the seconds it waited."""
+        changes them (the optimizer step after a save). Returns the seconds it waited;
+        TimeoutError after ``timeout`` (a stuck disk must not hang the run)."""
         if not self._held:  # the common case, every step: no lock
             return 0.0
         t0 = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._held:
-                self._lock.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"the checkpoint writer did not serialize the held tensors in {timeout:.0f} s"
+                    )
+                self._lock.wait(left)
         return time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> None:
@@ -277,6 +284,8 @@ def step_only_storages(engine: Any) -> frozenset[int]:
     next step runs is not something we could test here (no GPU); they are copied as before.
     Anything not found here (buffers, which a forward may update; DeepSpeed's own scalars) is
     copied."""
+    if _may_step_outside_the_fence(engine):
+        return frozenset()
     step_only: set[int] = set()
 
     def add(t: Any) -> None:
@@ -296,6 +305,16 @@ def step_only_storages(engine: Any) -> frozenset[int]:
         for v in state.values():
             add(v)
     return frozenset(step_only)
+
+
+def _may_step_outside_the_fence(engine: Any) -> bool:
+    """DeepSpeed features that update the optimizer outside the boundary ``engine.step()`` the
+    loop fences: unmanaged gradient accumulation (every ``step()`` is a boundary), ZenFlow (its
+    own boundary, and a separate process updating the fp32 master weights), SuperOffload (the
+    CPU Adam step inside backward). With any of them, nothing is held: everything is copied."""
+    unmanaged = not getattr(engine, "managed_gradient_accumulation", lambda: True)()
+    super_offload = getattr(engine, "super_offload", lambda: False)()
+    return unmanaged or bool(getattr(engine, "zenflow", False)) or bool(super_offload)
 
 
 def install(engine: Any, hook: Callable[[str], None] | None = None) -> Writer:

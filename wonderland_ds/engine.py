@@ -169,6 +169,27 @@ def save(
     return tag_dir, time.perf_counter() - t0
 
 
+def _fence(run: StageRun, writer: async_ckpt.Writer) -> float:
+    """The optimizer-update fence, with finish_pending's time limit. A rank whose writer is
+    stuck stops with the checkpoint-write finding; the other ranks then fail at their next
+    collective (the process-group timeout names this rank)."""
+    try:
+        return writer.fence(timeout=float(run.settings.process_group_timeout_s) * 2)
+    except TimeoutError as exc:
+        raise GuardStop(
+            [
+                Finding(
+                    "checkpoint-write",
+                    "error",
+                    f"rank {dist.rank()}: {exc}",
+                    "check the checkpoint storage (hung mount, full or very slow disk), then"
+                    " resume with --resume auto (the newest complete checkpoint is intact)",
+                    str(run.ckpt_root),
+                )
+            ]
+        ) from None
+
+
 def finish_pending(run: StageRun, writer: async_ckpt.Writer) -> None:
     """Wait for this rank's queued checkpoint writes (and on rank 0 the metadata), then agree
     with every rank. A failed write on any rank stops every rank (exit 3): the half-written
@@ -500,7 +521,7 @@ def fit(
                     # The optimizer update changes what the last save's writer may still be
                     # serializing from the live tensors: wait for it (async_ckpt.py). The wait
                     # is part of that save's blocked time.
-                    blocked[-1] += writer.fence()
+                    blocked[-1] += _fence(run, writer)
                 engine.step()
                 # Summed where it lives: one host sync a step (at the guards' all-reduce
                 # below), not one per micro-batch.

@@ -42,6 +42,18 @@ def same(a, b) -> bool:
     return a == b
 
 
+def step(engine, gen, writer: async_ckpt.Writer | None, waited: list[float]) -> None:
+    """One optimizer step of 2 micro-batches; the fence (when a writer is given) before the
+    optimizer update, as engine.fit does. The buffer changes in every forward."""
+    for m in range(2):
+        x = torch.randn(4, 32, generator=gen).bfloat16()
+        engine.module.seen.add_(1.0)
+        engine.backward(engine(x).float().pow(2).mean())
+        if m == 1 and writer is not None:
+            waited.append(writer.fence())
+        engine.step()
+
+
 def main() -> None:
     out, fence = Path(sys.argv[1]), "--no-fence" not in sys.argv
     dist.init(120)
@@ -60,18 +72,8 @@ def main() -> None:
             model=model, model_parameters=model.parameters(), config=config
         )
         gen = torch.Generator().manual_seed(dist.rank())
-
-        def step(writer: async_ckpt.Writer | None, waited: list[float]) -> None:
-            for m in range(2):
-                x = torch.randn(4, 32, generator=gen).bfloat16()
-                engine.module.seen.add_(1.0)
-                engine.backward(engine(x).float().pow(2).mean())
-                if m == 1 and writer is not None and fence:
-                    waited.append(writer.fence())
-                engine.step()
-
         for _ in range(2):
-            step(None, [])
+            step(engine, gen, None, [])
         root = out / f"z{zero}"
         engine.save_checkpoint(str(root), tag="ds", save_latest=False)
         original = engine.checkpoint_engine
@@ -86,7 +88,7 @@ def main() -> None:
         queued = writer.pending
         waited: list[float] = []
         for _ in range(3):
-            step(writer, waited)
+            step(engine, gen, writer if fence else None, waited)
         writer.wait()
         writer.close()
         dist.barrier()
