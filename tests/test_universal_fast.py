@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.util import REPO
+from tests.helpers.util import REPO, same
 from wonderland_ds import universal
 from wonderland_ds.findings import Refused
 
@@ -43,22 +43,6 @@ def stock(source, tmp_path_factory) -> Path:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=REPO)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return out
-
-
-def same(a, b) -> bool:
-    """Loaded checkpoint contents are equal: tensors by torch.equal (and dtype, shape),
-    containers item by item, plain objects (DeepSpeed's LossScaler) by their attributes."""
-    if torch.is_tensor(a):
-        return (
-            torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if hasattr(a, "__dict__") and not isinstance(a, type):
-        return type(a) is type(b) and same(vars(a), vars(b))
-    return a == b
 
 
 def listing(folder: Path, skip: str | None = None) -> list[str]:

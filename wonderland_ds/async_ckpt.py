@@ -130,7 +130,8 @@ class Writer:
     def __init__(self, hook: Callable[[str], None] | None = None) -> None:
         self.hook = hook or (lambda point: None)
         self.pool = BufferPool()
-        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # (job, release): release runs once the job is done or skipped (held files).
+        self._q: queue.Queue[tuple[Callable[[], None], Callable[[], None]] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
         self._held = 0  # queued files that still read live training tensors
@@ -140,26 +141,25 @@ class Writer:
 
     def _run(self) -> None:
         while True:
-            job = self._q.get()
-            if job is None:
+            item = self._q.get()
+            if item is None:
                 return
+            job, release = item
             try:
                 if self._error is None:
                     job()
             except BaseException as exc:  # surfaced by wait(); the process goes on
                 self._error = exc
             finally:
-                release = getattr(job, "release", None)
-                if release is not None:
-                    release()  # a skipped or failed held file no longer holds the loop
+                release()  # a skipped or failed held file no longer holds the loop
                 with self._lock:
                     self._pending -= 1
                     self._lock.notify_all()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], release: Callable[[], None] = lambda: None) -> None:
         with self._lock:
             self._pending += 1
-        self._q.put(job)
+        self._q.put((job, release))
 
     def write(
         self,
@@ -172,11 +172,11 @@ class Writer:
         """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
         once the file is written. ``held``: ``obj`` holds live tensors, and :meth:`fence`
         waits until they are serialized (into the page cache; fsync and rename come after)."""
-        released = threading.Event()
+        released = [not held]
 
-        def release() -> None:
-            if held and not released.is_set():
-                released.set()
+        def release() -> None:  # on the writer thread only: after torch.save, or when skipped
+            if not released[0]:
+                released[0] = True
                 with self._lock:
                     self._held -= 1
                     self._lock.notify_all()
@@ -204,11 +204,10 @@ class Writer:
                     ) from exc
                 raise
 
-        job.release = release  # type: ignore[attr-defined]
         if held:
             with self._lock:
                 self._held += 1
-        self.submit(job)
+        self.submit(job, release)
 
     @property
     def pending(self) -> int:

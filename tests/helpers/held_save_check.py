@@ -26,20 +26,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.helpers.util import same  # noqa: E402
 from wonderland_ds import async_ckpt  # noqa: E402
 from wonderland_ds import distributed as dist  # noqa: E402
-
-
-def same(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if hasattr(a, "__dict__") and not isinstance(a, type):
-        return same(vars(a), vars(b))
-    return a == b
 
 
 def step(engine, gen, writer: async_ckpt.Writer | None, waited: list[float]) -> None:

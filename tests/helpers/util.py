@@ -8,6 +8,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def same(a, b) -> bool:
+    """Loaded checkpoint contents are equal: tensors by torch.equal (and dtype, shape),
+    containers item by item, plain objects (DeepSpeed's LossScaler) by their attributes."""
+    import torch
+
+    if torch.is_tensor(a):
+        return (
+            torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return type(a) is type(b) and same(vars(a), vars(b))
+    return a == b
+
+
 def wonderland(*args: str, timeout: int = 240, env: dict[str, str] | None = None):
     """Run the `wonderland` command as a user would (a separate process)."""
     full_env = dict(os.environ, **(env or {}))
