@@ -91,12 +91,15 @@ def raw_loop(task, config: dict, steps: int) -> list[float]:
     return times
 
 
-def wonderland_loop(task, config: dict, steps: int, guards: bool, run_dir: Path) -> list[float]:
+def wonderland_loop(
+    task, config: dict, steps: int, guards: bool, run_dir: Path, check_interval: int | None = None
+) -> list[float]:
     # Default settings (progress line, metrics sink, guards) except that no checkpoint is
     # saved inside the timed window (saves are benchmarked on their own, --save).
-    settings = WonderlandSettings(
-        train_steps=steps, save_interval=10**9, guards=Guards(enabled=guards)
-    )
+    g = Guards(enabled=guards)
+    if check_interval is not None:
+        g = Guards(enabled=guards, check_interval=check_interval)
+    settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g)
     from wonderland_ds.ds_config import DSConfig
 
     run = StageRun(
@@ -280,20 +283,44 @@ def main() -> None:
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
                 print(f"=== profile: {name}\n{buf.getvalue()}", flush=True)
     if not args.skip_steps:
-        sides: dict[str, list[float]] = {"raw": [], "wonderland": [], "guards-off": []}
+        sides: dict[str, list[float]] = {
+            "raw": [],
+            "wonderland": [],
+            "guards-off": [],
+            "check-every-step": [],
+        }
         for rep in range(args.reps):
-            sides["raw"].append(statistics.median(raw_loop(task, config, args.steps)[5:]))
+            sides["raw"].append(statistics.fmean(raw_loop(task, config, args.steps)[5:]))
             sides["wonderland"].append(
-                statistics.median(
+                statistics.fmean(
                     wonderland_loop(task, config, args.steps, True, folder / f"on{rep}")[5:]
                 )
             )
             sides["guards-off"].append(
-                statistics.median(
+                statistics.fmean(
                     wonderland_loop(task, config, args.steps, False, folder / f"off{rep}")[5:]
                 )
             )
-        result["median_step_s"] = sides
+            # guards.check_interval 1: the guards' all-reduce every step (the default checks
+            # every 10 steps), to show what that collective costs.
+            sides["check-every-step"].append(
+                statistics.fmean(
+                    wonderland_loop(task, config, args.steps, True, folder / f"c1{rep}", 1)[5:]
+                )
+            )
+        # Each run's mean step time (first 5 steps dropped), not its median: the guards' check
+        # comes every guards.check_interval steps, and a median would not see it.
+        result["mean_step_s"] = sides
+        # Against the raw loop, measured in the same processes: min over min, median over median.
+        raw = sides["raw"]
+        result["ratio_to_raw"] = {
+            k: {
+                "min": round(min(v) / min(raw), 3),
+                "median": round(statistics.median(v) / statistics.median(raw), 3),
+            }
+            for k, v in sides.items()
+            if k != "raw"
+        }
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)

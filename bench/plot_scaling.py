@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plot_scaling.py RESULTS_DIR bench/scaling.png
 
-Prints the table BENCHMARKS.md quotes (medians of each side's per-step times).
+Prints the table BENCHMARKS.md quotes (medians over repetitions of each run's mean step time).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def load(folder: Path) -> list[dict]:
     rows = []
     for path in sorted(folder.glob("pylm_*.json")):
         r = json.loads(path.read_text())
-        sides = r["median_step_s"]
+        sides = r["mean_step_s"]
         save = r["save"]
         rows.append(
             {

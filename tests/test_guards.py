@@ -73,6 +73,12 @@ def test_every_fault_is_detected_with_its_latency(run16):
     assert "body.0.weight" in div["message"]
     assert first(evts, "loss-nan")["step"] == 78  # at the step
     assert first(evts, "slow-comm")["rank"] == 1  # the in-training probe names it too
+    # Judged 10 steps at a time (guards.check_interval), every step keeps its own row and
+    # events: warnings do not end a check early.
+    import csv
+
+    with open(run16 / "stage16" / "metrics.csv") as fh:
+        assert [int(row["step"]) for row in csv.DictReader(fh)] == list(range(41, 81))
     check = json.loads((run16 / "stage16" / "allreduce_check.json").read_text())
     assert all(row["allreduce_ok"] for row in check["ranks"])
     assert check["ranks"][1]["send_ratio"] > 1.25
@@ -108,9 +114,12 @@ def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
 
 
 @pytest.mark.nightly
-def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path):
+@pytest.mark.parametrize("check_interval", [1, 10])
+def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path, check_interval):
     cfg = json.loads(Path(GUARDS_WARN).read_text())
-    cfg["wonderland"]["guards"].update({"spike_policy": "rollback", "allreduce_check": False})
+    cfg["wonderland"]["guards"].update(
+        {"spike_policy": "rollback", "allreduce_check": False, "check_interval": check_interval}
+    )
     path = tmp_path / "rollback.json"
     path.write_text(json.dumps(cfg))
     r = wonderland(
@@ -137,8 +146,12 @@ def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path):
     meta = json.loads(
         (run16 / "stage16" / "checkpoints" / "global_step80" / "wonderland_meta.json").read_text()
     )
-    # 40 steps of 128 samples, plus the 5 skipped steps' batches (51..55), after stage 15's 1920.
-    assert meta["data"]["samples_consumed"] == 1920 + 45 * 128
+    # 40 steps of 128 samples after stage 15's 1920, plus the skipped batches: those of the
+    # steps from the checkpoint to the check that judged step 55 (51..55 when every step is
+    # checked, 51..60 when the check comes every 10 steps: the steps after 55 were trained
+    # on the spiked weights and are rolled back with it).
+    skipped = 55 - 50 if check_interval == 1 else 60 - 50
+    assert meta["data"]["samples_consumed"] == 1920 + (40 + skipped) * 128
     import csv
 
     with open(run16 / "stage16" / "metrics.csv") as fh:

@@ -45,6 +45,10 @@ class GlobalSampler:
 
     def indices(self, start: int, count: int) -> np.ndarray:
         """Dataset indices of stream positions ``[start, start + count)``."""
+        epoch = start // self.n
+        if (start + count - 1) // self.n == epoch:  # within one epoch: a slice (most reads)
+            at = start - epoch * self.n
+            return self._perm(epoch)[at : at + count].astype(np.int64, copy=True)
         pos = np.arange(start, start + count)
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(pos // self.n):
@@ -79,10 +83,12 @@ class Prefetcher:
     """This rank's next micro-batches from the memory-mapped cache. ``wait_s`` accumulates the
     time the step loop waited for data (the data stall).
 
-    The first micro-batches are read in the loop and timed; only if their median read costs
-    more than ``thread_above_s`` does a background thread take over and read ahead. For small in-memory
-    batches a thread only competes with the step loop for the GIL (and for the cores: on this
-    2-core machine two ranks plus two readers measurably slowed every step)."""
+    A step's micro-batches are read together: one index computation, one sorted gather from
+    the cache and one dtype conversion for all ``gas`` of them (the loop then takes views).
+    The first steps are read in the loop and timed; only if the median read costs more than
+    ``thread_above_s`` per micro-batch does a background thread take over and read ahead. For
+    small in-memory batches a thread only competes with the step loop for the GIL (and for the
+    cores: on this 2-core machine two ranks plus two readers measurably slowed every step)."""
 
     def __init__(
         self,
@@ -106,8 +112,13 @@ class Prefetcher:
         self.wait_s = 0.0
         self._x, self._y, self._sampler, self._x_dtype = x, y, sampler, x_dtype
         self._start, self._micro, self._gas = start, micro, gas
-        self._world, self._rank, self._total = world, rank, steps * gas
-        self._next = 0
+        self._world, self._rank, self._steps = world, rank, steps
+        # Where this rank's micro-batches sit in a step's global batch: micro-batch m of rank r
+        # is [(m * world + r) * micro, ... + micro).
+        self._offsets = [(m * world + rank) * micro for m in range(gas)]
+        self._sel = np.concatenate([np.arange(o, o + micro) for o in self._offsets])
+        self._next_step = 0
+        self._ready: list[MicroBatch] = []  # the rest of the step read inline, in order
         self._probe, self._threshold = probe, thread_above_s
         self._probe_s: list[float] = []
         self._q: queue.Queue[MicroBatch | BaseException | None] = queue.Queue(maxsize=depth)
@@ -115,28 +126,38 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._threading = threading
 
-    def _read(self, i: int) -> MicroBatch:
+    def _read(self, step: int) -> list[MicroBatch]:
         import torch
 
-        step, m = divmod(i, self._gas)
         batch = self._micro * self._gas * self._world
-        pos = self._start + step * batch + (m * self._world + self._rank) * self._micro
-        idx = self._sampler.indices(pos, self._micro)
+        base = self._start + step * batch
+        idx = self._sampler.indices(base, batch)[self._sel]
         order = np.argsort(idx)  # sorted reads are kinder to a memory map
-        xs = np.empty((self._micro, *self._x.shape[1:]), self._x.dtype)
-        ys = np.empty((self._micro, *self._y.shape[1:]), self._y.dtype)
+        n = len(idx)
+        xs = np.empty((n, *self._x.shape[1:]), self._x.dtype)
+        ys = np.empty((n, *self._y.shape[1:]), self._y.dtype)
         xs[order], ys[order] = self._x[idx[order]], self._y[idx[order]]
-        tx = torch.from_numpy(xs)
+        tx, ty = torch.from_numpy(xs), torch.from_numpy(ys)
         if self._x_dtype is not None and tx.is_floating_point():
             tx = tx.to(self._x_dtype)
-        return MicroBatch(tx, torch.from_numpy(ys), pos, sample_digest(idx))
+        mb = self._micro
+        return [
+            MicroBatch(
+                tx[m * mb : (m + 1) * mb],
+                ty[m * mb : (m + 1) * mb],
+                base + o,
+                sample_digest(idx[m * mb : (m + 1) * mb]),
+            )
+            for m, o in enumerate(self._offsets)
+        ]
 
     def _work(self, first: int) -> None:
         try:
-            for i in range(first, self._total):
-                if self._stop.is_set():
-                    return
-                self._q.put(self._read(i))
+            for step in range(first, self._steps):
+                for item in self._read(step):
+                    if self._stop.is_set():
+                        return
+                    self._q.put(item)
             self._q.put(None)
         except BaseException as exc:  # surfaced in the step loop, never swallowed
             self._q.put(exc)
@@ -146,25 +167,31 @@ class Prefetcher:
 
         t0 = time.perf_counter()
         if self._thread is None:
-            if self._next >= self._total:
-                raise StopIteration("prefetcher exhausted")
-            item = self._read(self._next)
-            self._next += 1
-            took = time.perf_counter() - t0
-            self.wait_s += took
-            self._probe_s.append(took)
-            # The median, not the mean: the first reads of a process pay one-time costs (numpy
-            # and torch code paths run for the first time: 2-11 ms against 45 us later, measured
-            # on digits) that would hand a fast source to a thread for good.
-            if (
-                self._next == self._probe
-                and sorted(self._probe_s)[self._probe // 2] > self._threshold
-            ):
-                self._thread = self._threading.Thread(
-                    target=self._work, args=(self._next,), name="wonderland-prefetch", daemon=True
-                )
-                self._thread.start()
-            return item
+            if not self._ready:
+                if self._next_step >= self._steps:
+                    raise StopIteration("prefetcher exhausted")
+                self._ready = self._read(self._next_step)[::-1]
+                self._next_step += 1
+                took = time.perf_counter() - t0
+                self.wait_s += took
+                self._probe_s.append(took / self._gas)
+                # The median, not the mean: the first reads of a process pay one-time costs
+                # (numpy and torch code paths run for the first time: 2-11 ms against 45 us
+                # later, measured on digits) that would hand a fast source to a thread for good.
+                if (
+                    self._next_step == self._probe
+                    and sorted(self._probe_s)[self._probe // 2] > self._threshold
+                ):
+                    self._thread = self._threading.Thread(
+                        target=self._work,
+                        args=(self._next_step,),
+                        name="wonderland-prefetch",
+                        daemon=True,
+                    )
+                    self._thread.start()
+            return self._ready.pop()
+        if self._ready:  # the rest of the step read before the thread took over
+            return self._ready.pop()
         got = self._q.get()
         self.wait_s += time.perf_counter() - t0
         if isinstance(got, BaseException):

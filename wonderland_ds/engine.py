@@ -441,6 +441,41 @@ def _stop(run: StageRun, guards: StepGuards, events: list[Event]) -> GuardStop:
     )
 
 
+@dataclass
+class _Pending:
+    """One trained step waiting for the next check: this rank's row and what the log and the
+    judge need, as it was right after the step."""
+
+    step: int
+    vec: list[float]
+    losses: list[torch.Tensor]  # the micro-batch losses, where they were computed
+    norms: list[torch.Tensor]  # this rank's per-gradient norms (guard hooks), likewise
+    lr: float
+    grad_norm: Any
+    skipped: int
+    scale: float | None
+    samples: int
+    step_s: float
+    wait_s: float
+    wall: float
+
+
+def _check_matrix(pending: list[_Pending], rank: int) -> torch.Tensor:
+    """The rows of the steps since the last check, each with its loss sum and this rank's
+    gradient norm filled in. A handful of tensor operations and one host transfer per check,
+    whatever its length: nothing of this runs per step or per micro-batch."""
+    mat = torch.tensor([p.vec for p in pending], dtype=torch.float64)
+    losses = torch.stack([x for p in pending for x in p.losses]).double()
+    mat[:, 0] = losses.view(len(pending), -1).sum(1).cpu()
+    norms = [n for p in pending for n in p.norms]
+    if norms:
+        sq = torch.stack(norms).double().square()
+        seg = torch.tensor([i for i, p in enumerate(pending) for _ in p.norms], device=sq.device)
+        per_step = torch.zeros(len(pending), dtype=torch.float64, device=sq.device)
+        mat[:, 2 + rank] = per_step.index_add_(0, seg, sq).sqrt().cpu()
+    return mat
+
+
 def fit(
     run: StageRun, engine: Any, prog: Progress, log: Any, verify: bool = False
 ) -> dict[str, Any]:
@@ -500,7 +535,9 @@ def fit(
             samples_per_step=batch,
             tokens_per_sample=tokens,
         )
+    on_host = torch.device(engine.device).type == "cpu"  # batches are read into host memory
     rows: list[dict[str, Any]] = []
+    pending: list[_Pending] = []  # steps trained since the last check
     last_loss: float | None = None
     t_start = time.perf_counter()
     wait_total = step_total = 0.0
@@ -509,12 +546,15 @@ def fit(
             step = int(engine.global_steps)
             guards.begin(step)
             t0, wait0 = time.perf_counter(), loader.wait_s
-            loss_acc, digest = torch.zeros((), dtype=torch.float64, device=engine.device), 0.0
+            losses: list[torch.Tensor] = []
+            digest = 0.0
             for m in range(gas):
                 mbatch = loader.next()
                 _seed_micro(_micro_seed(run.seed, mbatch.position), engine.device)
-                out = engine(mbatch.x.to(engine.device))
-                loss = run.task.loss(out, mbatch.y.to(engine.device))
+                x, y = mbatch.x, mbatch.y
+                if not on_host:
+                    x, y = x.to(engine.device), y.to(engine.device)
+                loss = run.task.loss(engine(x), y)
                 loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
                 engine.backward(loss)
                 if m == gas - 1 and blocked:
@@ -523,31 +563,93 @@ def fit(
                     # is part of that save's blocked time.
                     blocked[-1] += _fence(run, writer)
                 engine.step()
-                # Summed where it lives: one host sync a step (at the guards' all-reduce
-                # below), not one per micro-batch.
-                loss_acc += loss.detach().double()
+                # Kept where it lives: read on the host once per check (below), not once per
+                # micro-batch or step.
+                losses.append(loss.detach())
                 digest += mbatch.digest
             faults.perturb(run.fault, engine.module, step + 1, rank)
             prog.samples_consumed += batch
-            # [loss sum, sample digest, per-rank grad norms, per-rank fingerprints]: one
-            # small all-reduce a step carries every number the guards and the log need.
-            vec = guards.vector(engine.module, extra=1)
-            vec[0], vec[1] = float(loss_acc), digest
+            # [loss sum, sample digest, per-rank grad norms, per-rank fingerprints, ...]: one
+            # small all-reduce per check carries every number the guards and the log need.
+            vec, norms = guards.vector(engine.module, extra=1)
+            vec[1] = digest
             vec[-1] = float(writer.busy)  # summed: 0 when every rank's writer is idle
-            dist.all_reduce_sum(vec)
-            last_loss = float(vec[0]) / (gas * world)
             done = int(engine.global_steps)
-            lr = float(engine.get_lr()[0])
-            events = guards.judge(vec, last_loss, lr, engine.module, engine)
             run.fault.step_done(step + 1)
-            decision = guards.decision(events)
-            if decision == "stop":
+            scale = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+            pending.append(
+                _Pending(
+                    done,
+                    vec,
+                    losses,
+                    norms,
+                    float(engine.get_lr()[0]),
+                    engine.get_global_grad_norm(),
+                    int(engine.skipped_steps),
+                    scale,
+                    prog.samples_consumed,
+                    time.perf_counter() - t0,
+                    loader.wait_s - wait0,
+                    time.time(),
+                )
+            )
+            faults.maybe(run.fault, "step", done, rank)
+            save_due = done % run.settings.save_interval == 0 or done >= end
+            if not save_due and done % run.settings.guards.check_interval != 0:
+                continue
+            # The check: one all-reduce for the steps since the last one, then each is
+            # judged in order. A save always checks first: no checkpoint holds an unjudged step.
+            t_check = time.perf_counter()
+            mat = _check_matrix(pending, rank)
+            dist.all_reduce_sum(mat)
+            summed = mat.tolist()
+            verdict, events = "ok", []  # "warn" is logged and training goes on
+            for i, (p, v) in enumerate(zip(pending, summed)):
+                guards.step = p.step
+                last_loss = float(v[0]) / (gas * world)
+                events = guards.judge(v, last_loss, p.lr, engine.module, p.skipped, p.scale)
+                verdict = guards.decision(events)
+                if verdict in ("stop", "rollback"):
+                    break
+                step_s = p.step_s + (time.perf_counter() - t_check if i == len(pending) - 1 else 0)
+                step_total, wait_total = step_total + step_s, wait_total + p.wait_s
+                rows.append(
+                    {
+                        "step": p.step,
+                        "loss": f"{last_loss:.8g}",
+                        "lr": f"{p.lr:.8g}",
+                        "grad_norm": "" if p.grad_norm is None else f"{float(p.grad_norm):.6g}",
+                        "samples": p.samples,
+                        "sample_digest": int(v[1]),
+                        "step_s": f"{step_s:.5f}",
+                        "data_wait_s": f"{p.wait_s:.6f}",
+                        "wall": f"{p.wall:.6f}",
+                    }
+                )
+                if display is not None and sink is not None:
+                    display.step(rows[-1], loss_scale=p.scale)
+                    window = guards.watchdog.losses[-run.settings.guards.spike_window :]
+                    sink.write(
+                        rows[-1],
+                        loss_scale=p.scale,
+                        extra=guard_figures(
+                            [float(x) for x in v[2 : 2 + world]],
+                            loss_median=statistics.median(window) if window else None,
+                            skipped_steps=p.skipped,
+                            events=len(guards.events),
+                        ),
+                    )
+            settled = summed[-1][-1] == 0.0
+            pending = []
+            if verdict == "stop":
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
                 if display is not None:
                     display.close("stopped")
                 raise _stop(run, guards, events)
-            if decision == "rollback":
+            if verdict == "rollback":
+                # The steps after the offending one (up to this check) are not judged: they
+                # are rolled back with it, and their batches skipped with its.
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
                 rows = []
@@ -559,44 +661,10 @@ def fit(
                     sink.rewind(back)
                 loader = loader_from(back)
                 continue
-            grad_norm = engine.get_global_grad_norm()
-            step_s, wait_s = time.perf_counter() - t0, loader.wait_s - wait0
-            step_total, wait_total = step_total + step_s, wait_total + wait_s
-            rows.append(
-                {
-                    "step": done,
-                    "loss": f"{last_loss:.8g}",
-                    "lr": f"{lr:.8g}",
-                    "grad_norm": "" if grad_norm is None else f"{float(grad_norm):.6g}",
-                    "samples": prog.samples_consumed,
-                    "sample_digest": int(vec[1]),
-                    "step_s": f"{step_s:.5f}",
-                    "data_wait_s": f"{wait_s:.6f}",
-                    "wall": f"{time.time():.6f}",
-                }
-            )
-            if display is not None and sink is not None:
-                scale = (
-                    getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
-                )
-                display.step(rows[-1], loss_scale=scale)
-                window = guards.watchdog.losses[-run.settings.guards.spike_window :]
-                sink.write(
-                    rows[-1],
-                    loss_scale=scale,
-                    extra=guard_figures(
-                        [float(x) for x in vec[2 : 2 + world]],
-                        loss_median=statistics.median(window) if window else None,
-                        skipped_steps=int(engine.skipped_steps),
-                        events=len(guards.events),
-                    ),
-                )
-            faults.maybe(run.fault, "step", done, rank)
-            if done % run.settings.save_interval == 0 or done >= end:
+            if save_due:
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
                 rows = []
-                settled = float(vec[-1]) == 0.0
                 tag_dir, held = save(run, engine, prog, last_loss, writer, settled)
                 blocked.append(held)
                 if display is not None and sink is not None:

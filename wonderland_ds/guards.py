@@ -1,9 +1,11 @@
-"""The guards while a stage trains: hooks, one all-reduce a step, policies.
+"""The guards while a stage trains: hooks, one all-reduce every few steps, policies.
 
 Per step every rank writes into one small float64 vector: the loss sum, the sample digest, its
 own local gradient norm (measured by a tensor hook *before* DeepSpeed's reduction, FACTS.md) and,
-every ``fingerprint_interval`` steps, a checksum of its parameters. One all-reduce gives every
-rank the same numbers, so every rank takes the same decision.
+every ``fingerprint_interval`` steps, a checksum of its parameters. Every ``check_interval``
+steps (and before every save) one all-reduce of the vectors since the last check gives every
+rank the same numbers, and every rank judges those steps in order, so every rank takes the
+same decision at the same step.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class StepGuards:
         self.replicas = zero_stage < 3  # ZeRO-3 partitions parameters: no replicas to compare
         self.fp16, self.min_loss_scale = fp16, min_loss_scale
         self.watchdog = health.LossWatchdog(g)
-        self.local_sq = torch.zeros((), dtype=torch.float64)
+        self.norms: list[torch.Tensor] = []  # this step's per-gradient norms (hooks)
         self.step = 0
         self.handles: list[Any] = []
         self.events: list[Event] = []
@@ -74,9 +76,9 @@ class StepGuards:
         if faults.drops_grads(self.plan, self.step, self.rank):
             grad = torch.zeros_like(grad)
         # One fused reduction in fp32 (2.3x faster than float().pow(2).sum() on a 512x512
-        # bf16 gradient, bench notes in BENCHMARKS.md).
-        n = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)
-        self.local_sq.add_(n.double().square())
+        # bf16 gradient, bench notes in BENCHMARKS.md), and nothing else: the norms are
+        # combined once a step (vector), not once per gradient and micro-batch.
+        self.norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         return grad
 
     def close(self) -> None:
@@ -87,23 +89,27 @@ class StepGuards:
 
     def begin(self, step: int) -> None:
         self.step = step + 1  # faults and events are numbered by the step being computed
-        self.local_sq.zero_()
+        self.norms = []
         self.t_begin = time.perf_counter()
 
-    def vector(self, module: torch.nn.Module, extra: int = 0) -> torch.Tensor:
-        """[loss, digest, grad norm per rank, fingerprint per rank, step s, probe s, then
-        ``extra`` slots for the caller]: step s and probe s are summed over ranks, so every
-        rank reads the same means (probe decisions are collective and must agree)."""
+    def vector(
+        self, module: torch.nn.Module, extra: int = 0
+    ) -> tuple[list[float], list[torch.Tensor]]:
+        """This rank's row for the step: [loss, digest, grad norm per rank, fingerprint per
+        rank, step s, probe s, then ``extra`` slots for the caller], summed over ranks by the
+        check, so step s and probe s become sums and every rank reads the same means (probe
+        decisions are collective and must agree). Plain floats, and this step's gradient norms
+        as tensors where the gradients live: the check fills the loss and this rank's norm
+        (slot ``2 + rank``) for all its steps at once, one host transfer per check."""
         w = self.world
-        v = torch.zeros(4 + 2 * w + extra, dtype=torch.float64)
-        v[2 + self.rank] = math.sqrt(float(self.local_sq))
+        v = [0.0] * (4 + 2 * w + extra)
         if self._fingerprint_due():
             v[2 + w + self.rank] = _checksum(module)
         v[2 + 2 * w] = time.perf_counter() - self.t_begin
         v[3 + 2 * w], self.probe_s = self.probe_s, 0.0
-        return v
+        return v, self.norms
 
-    def _probe_due(self, v: torch.Tensor) -> bool:
+    def _probe_due(self, v: list[float]) -> bool:
         """Fixed ``comm_probe_interval``, or adaptive: after each probe the next one is placed
         so that probing costs at most ``comm_probe_budget`` of the training time (from the
         mean step time and the mean probe time of all ranks: the same numbers everywhere)."""
@@ -131,9 +137,17 @@ class StepGuards:
         return self.g.enabled and self.replicas and n > 0 and self.step % n == 0
 
     def judge(
-        self, v: torch.Tensor, loss: float, lr: float, module: torch.nn.Module, engine: Any
+        self,
+        v: list[float],
+        loss: float,
+        lr: float,
+        module: torch.nn.Module,
+        skipped: int,
+        scale: float | None,
     ) -> list[Event]:
-        """Events for this step (identical on every rank)."""
+        """Events for step ``self.step`` (identical on every rank): ``v`` is its summed vector;
+        ``lr``, ``skipped`` (DeepSpeed's skipped-step count) and ``scale`` (the loss scale)
+        as they were right after that step."""
         if not self.g.enabled:
             return []
         step, w = self.step, self.world
@@ -164,15 +178,13 @@ class StepGuards:
             flagged = {e.rank for e in slow}
             self.slow_streak = {r: self.slow_streak.get(r, 0) + 1 for r in flagged}
             out += [e for e in slow if self.slow_streak[e.rank] >= 3]
-        out += self._loss_scale(engine)
+        out += self._loss_scale(skipped, scale)
         self.record(out)
         return out
 
-    def _loss_scale(self, engine: Any) -> list[Event]:
+    def _loss_scale(self, skipped: int, scale: float | None) -> list[Event]:
         out = []
-        skipped = int(engine.skipped_steps)
         if skipped > self.skipped:  # DeepSpeed logs overflows at INFO only: surface them
-            scale = getattr(engine.optimizer, "cur_scale", None)
             out.append(
                 Event(
                     "skipped-step",
@@ -183,7 +195,7 @@ class StepGuards:
             )
             self.skipped = skipped
         if self.fp16:
-            scale = float(getattr(engine.optimizer, "cur_scale", 0.0))
+            scale = float(scale or 0.0)
             self.scale_at_min = self.scale_at_min + 1 if scale <= self.min_loss_scale else 0
             if self.scale_at_min >= self.g.loss_scale_stuck_steps:
                 out.append(

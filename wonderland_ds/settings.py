@@ -39,6 +39,12 @@ class Guards(_Strict):
     offending batches, at most ``max_rollbacks`` times, then stop)."""
 
     enabled: bool = True
+    check_interval: int = Field(10, ge=1)
+    """Steps between checks: the numbers of every step since the last check travel in one
+    all-reduce, then each step is judged in order (events keep their own step). A save and the
+    stage's last step always check first, so no checkpoint holds an unjudged step. 1: every step
+    (a decision at once, and one all-reduce a step: 2.5 ms of a 14 ms step on this project's CPU
+    machine)."""
     allreduce_check: bool | None = None
     """Verify the all-reduce at stage start; None: on for stage 16, off elsewhere."""
     slow_factor: float = Field(1.25, gt=1.0)
