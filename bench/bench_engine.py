@@ -199,7 +199,7 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
         out["ds_step_after_s"].append(max(dist.gather_all(time.perf_counter() - t1)))
         engine.global_steps = rep + 1
         engine.checkpoint_engine = ours  # as in a stage: one writer (and buffer pool) per run
-        # What the stage loop learns from its per-step all-reduce: every writer is idle.
+        # What the stage loop learns from its check's all-reduce: every writer is idle.
         settled = not any(dist.gather_all(writer.busy))
         dist.barrier()
         t0 = time.perf_counter()

@@ -89,7 +89,8 @@ def test_fault_grammar():
 
 
 def _probe_schedule(g, step_s: float, probe_s: float, steps: int, world: int = 2) -> list[int]:
-    """Drive StepGuards._probe_due as judge() does: a probe's cost arrives one step later."""
+    """Drive StepGuards._probe_due as judge() does with a check every step: a probe's cost
+    arrives in the next step's row."""
     from wonderland_ds.guards import FIRST_PROBE, StepGuards
 
     sg = StepGuards.__new__(StepGuards)
@@ -124,3 +125,89 @@ def test_adaptive_comm_probe_stays_within_its_budget():
     assert _probe_schedule(Guards(comm_probe_interval=7), 0.015, 0.028, 30) == [7, 14, 21, 28]
     assert _probe_schedule(Guards(comm_probe_interval=0), 0.015, 0.028, 30) == []
     assert _probe_schedule(Guards(), 0.015, 0.028, 30, world=1) == []
+
+
+def test_rollback_forgets_the_losses_after_its_step_even_past_a_nan():
+    """A NaN step leaves no loss in the window: forgetting by count would drop one good loss
+    too many."""
+    w = health.LossWatchdog(G)
+    for step in range(1, 11):
+        w.update(step, float(step), 1e-3)
+    w.update(11, float("nan"), 1e-3)
+    w.update(12, 12.0, 1e-3)
+    w.forget_after(8)
+    assert w.losses == [float(s) for s in range(1, 9)] and w.steps == list(range(1, 9))
+
+
+def _judge_guards(stage_dir=None, world: int = 2):
+    from wonderland_ds.guards import StepGuards
+
+    sg = StepGuards.__new__(StepGuards)
+    sg.g = Guards(fingerprint_interval=5, comm_probe_interval=0)
+    sg.rank, sg.world, sg.hosts, sg.replicas = 0, world, ["h0", "h1"], True
+    sg.fp16, sg.min_loss_scale, sg.skipped, sg.scale_at_min = False, 1.0, 0, 0
+    sg.watchdog, sg.events, sg.norms, sg.param_sums = health.LossWatchdog(sg.g), [], [], {}
+    sg.low_streak, sg.slow_streak, sg.probe_s, sg.t_begin = {}, {}, 0.0, 0.0
+    sg.stage_dir, sg.step = stage_dir, 1
+    return sg
+
+
+def test_divergence_is_judged_from_the_step_it_was_seen_at(tmp_path):
+    """The check may come steps after the fingerprint step, when ZeRO-1/2 have re-gathered the
+    replicas: the odd parameter is named from the sums taken at the fingerprint step."""
+    sg = _judge_guards(tmp_path)
+    module = torch.nn.Linear(3, 2)
+    sg.step = 5
+    v, sq = sg.vector(module)
+    assert sq is None and 5 in sg.param_sums  # no hooks ran; the sums are kept for the judge
+    names, sums = sg.param_sums[5]
+    assert names == ["weight", "bias"] and v[2 + 2] == sums[0] * 1 + sums[1] * 2
+    with torch.no_grad():
+        module.weight.add_(1.0)  # what the module looks like by the check: irrelevant
+    v[2 + 2 + 1] = v[2 + 2] + 0.5  # rank 1's fingerprint differed at step 5
+    v[2], v[3] = 1.0, 1.0  # both ranks had gradients
+    (e,) = sg.judge(v, 1.0, 1e-3, module, 0, None)
+    # One process: the gathered sums agree one by one, so the ranks are named by checksum.
+    assert e.guard == "replica-divergence" and e.step == 5 and e.rank == 1
+    assert "checksum" in e.message and (tmp_path / "guards.jsonl").exists()
+    assert sg.param_sums == {}  # judged: not kept
+
+
+def test_fp16_loss_scale_is_read_from_either_optimizer_kind():
+    from types import SimpleNamespace
+
+    from wonderland_ds.engine import loss_scale
+
+    zero = SimpleNamespace(optimizer=SimpleNamespace(cur_scale=512.0))
+    plain = SimpleNamespace(
+        optimizer=SimpleNamespace(loss_scale_config=SimpleNamespace(cur_scale=64.0))
+    )
+    assert loss_scale(zero) == 512.0 and loss_scale(plain) == 64.0
+    assert loss_scale(SimpleNamespace(optimizer=object())) is None
+    sg = _judge_guards()
+    sg.fp16 = True
+    for _ in range(60):  # an unknown scale is not "stuck at its minimum"
+        assert sg._loss_scale(0, None) == []
+
+
+def test_a_resumed_or_rolled_back_skip_count_is_not_a_new_overflow():
+    sg = _judge_guards()
+    sg.skipped = 7  # fit() sets it from DeepSpeed's restored count
+    assert sg._loss_scale(7, None) == []
+    (e,) = sg._loss_scale(8, 256.0)
+    assert e.guard == "skipped-step" and "8 so far" in e.message
+
+
+def test_cuda_hosts_get_gloo_for_cpu_tensors_beside_nccl(monkeypatch):
+    """NCCL alone rejects CPU tensors, and the guards' check runs on CPU tensors: on CUDA the
+    process group must carry both backends (no GPU here: the choice is what is tested)."""
+    from types import SimpleNamespace
+
+    import deepspeed.accelerator
+
+    from wonderland_ds import distributed
+
+    for name, want in (("cuda", "cpu:gloo,cuda:nccl"), ("cpu", None)):
+        fake = SimpleNamespace(device_name=lambda n=name: n)
+        monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda f=fake: f)
+        assert distributed.backend() == want

@@ -24,7 +24,7 @@ def init(timeout_s: int) -> None:
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        deepspeed.init_distributed(timeout=timeout)
+        deepspeed.init_distributed(timeout=timeout, dist_backend=backend())
     # ZeRO reduces on DeepSpeed's own copy of the world group (groups._clone_world_group:
     # new_group(ranks), no timeout), and torch gives such groups its built-in default (30 min
     # for gloo), not init_process_group's. Measured: with a 20 s timeout, a SIGSTOPped rank
@@ -33,6 +33,36 @@ def init(timeout_s: int) -> None:
     if c10d.default_pg_nccl_timeout is not None:
         c10d.default_pg_nccl_timeout = timeout
     _unlink_shm_segment()
+
+
+def backend() -> str | None:
+    """The process group's backend. On CUDA, NCCL for device tensors *and* gloo for CPU ones:
+    NCCL alone rejects a CPU tensor ("No backend type associated with device type cpu"), and
+    the guards' check, the pickled-object gathers and the stage's small collectives run on CPU
+    tensors. None elsewhere: DeepSpeed's own choice (gloo on a CPU host)."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return None
+
+
+def device() -> Any:
+    """Where collectives that test the training transport put their tensors: the current
+    GPU on CUDA (NCCL, what training uses), else the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sync(dev: Any) -> None:
+    """Wait for the device's queued work (a NCCL receive returns before the data is there)."""
+    import torch
+
+    if getattr(dev, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _unlink_shm_segment() -> None:

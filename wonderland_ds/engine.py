@@ -87,6 +87,16 @@ def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
     return engine
 
 
+def loss_scale(engine: Any) -> float | None:
+    """The current fp16 loss scale: ZeRO's optimizers have ``cur_scale``; DeepSpeed 0.19.8's
+    FP16_Optimizer (fp16 without ZeRO) keeps it in ``loss_scale_config``."""
+    opt = engine.optimizer
+    scale = getattr(opt, "cur_scale", None)
+    if scale is None:
+        scale = getattr(getattr(opt, "loss_scale_config", None), "cur_scale", None)
+    return None if scale is None else float(scale)
+
+
 def _micro_seed(seed: int, position: int) -> int:
     # Dropout noise is a function of the micro-batch's place in the sample stream, not of
     # history, rank or micro-step: a resumed run, or one on another world size with the same
@@ -227,7 +237,7 @@ def _meta(
 ) -> dict[str, Any]:
     sched = engine.lr_scheduler
     lbi = int(sched.last_batch_iteration) if sched is not None else None
-    scaler = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+    scaler = loss_scale(engine) if run.cfg.fp16.enabled else None
     return {
         "stage": run.stage,
         "global_step": int(engine.global_steps),
@@ -449,9 +459,9 @@ class _Pending:
     step: int
     vec: list[float]
     losses: list[torch.Tensor]  # the micro-batch losses, where they were computed
-    norms: list[torch.Tensor]  # this rank's per-gradient norms (guard hooks), likewise
+    sq: torch.Tensor | None  # this rank's squared gradient norm (guard hooks), likewise
     lr: float
-    grad_norm: Any
+    grad_norm: Any  # DeepSpeed's global norm: a float, a device tensor or None
     skipped: int
     scale: float | None
     samples: int
@@ -460,20 +470,28 @@ class _Pending:
     wall: float
 
 
-def _check_matrix(pending: list[_Pending], rank: int) -> torch.Tensor:
+def _check_matrix(pending: list[_Pending], rank: int) -> tuple[torch.Tensor, list[float | None]]:
     """The rows of the steps since the last check, each with its loss sum and this rank's
-    gradient norm filled in. A handful of tensor operations and one host transfer per check,
-    whatever its length: nothing of this runs per step or per micro-batch."""
+    gradient norm filled in, and DeepSpeed's global gradient norm of each step as a float. A
+    handful of tensor operations and host transfers per check, whatever its length: nothing
+    of this synchronizes per step or per micro-batch."""
     mat = torch.tensor([p.vec for p in pending], dtype=torch.float64)
     losses = torch.stack([x for p in pending for x in p.losses]).double()
     mat[:, 0] = losses.view(len(pending), -1).sum(1).cpu()
-    norms = [n for p in pending for n in p.norms]
-    if norms:
-        sq = torch.stack(norms).double().square()
-        seg = torch.tensor([i for i, p in enumerate(pending) for _ in p.norms], device=sq.device)
-        per_step = torch.zeros(len(pending), dtype=torch.float64, device=sq.device)
-        mat[:, 2 + rank] = per_step.index_add_(0, seg, sq).sqrt().cpu()
-    return mat
+    have = [(i, p.sq) for i, p in enumerate(pending) if p.sq is not None]
+    if have:
+        sq = torch.stack([t for _, t in have]).to("cpu", torch.float64)
+        mat[[i for i, _ in have], 2 + rank] = sq.sqrt()
+    tensors = [
+        (i, p.grad_norm) for i, p in enumerate(pending) if isinstance(p.grad_norm, torch.Tensor)
+    ]
+    read = (
+        dict(zip([i for i, _ in tensors], torch.stack([t.float() for _, t in tensors]).tolist()))
+        if tensors
+        else {}
+    )
+    norms = [read.get(i, p.grad_norm) for i, p in enumerate(pending)]
+    return mat, [None if g is None else float(g) for g in norms]
 
 
 def fit(
@@ -498,6 +516,7 @@ def fit(
         fp16.enabled,
         float(fp16.min_loss_scale),
     )
+    guards.skipped = int(engine.skipped_steps)  # DeepSpeed restores its count on a resume
     start_check(run, guards, verify)
     guards.attach(engine.module)
     writer = async_ckpt.install(engine)
@@ -571,18 +590,18 @@ def fit(
             prog.samples_consumed += batch
             # [loss sum, sample digest, per-rank grad norms, per-rank fingerprints, ...]: one
             # small all-reduce per check carries every number the guards and the log need.
-            vec, norms = guards.vector(engine.module, extra=1)
+            vec, sq = guards.vector(engine.module, extra=1)
             vec[1] = digest
             vec[-1] = float(writer.busy)  # summed: 0 when every rank's writer is idle
             done = int(engine.global_steps)
             run.fault.step_done(step + 1)
-            scale = getattr(engine.optimizer, "cur_scale", None) if run.cfg.fp16.enabled else None
+            scale = loss_scale(engine) if run.cfg.fp16.enabled else None
             pending.append(
                 _Pending(
                     done,
                     vec,
                     losses,
-                    norms,
+                    sq,
                     float(engine.get_lr()[0]),
                     engine.get_global_grad_norm(),
                     int(engine.skipped_steps),
@@ -600,11 +619,11 @@ def fit(
             # The check: one all-reduce for the steps since the last one, then each is
             # judged in order. A save always checks first: no checkpoint holds an unjudged step.
             t_check = time.perf_counter()
-            mat = _check_matrix(pending, rank)
+            mat, grad_norms = _check_matrix(pending, rank)
             dist.all_reduce_sum(mat)
             summed = mat.tolist()
             verdict, events = "ok", []  # "warn" is logged and training goes on
-            for i, (p, v) in enumerate(zip(pending, summed)):
+            for i, (p, v, gn) in enumerate(zip(pending, summed, grad_norms)):
                 guards.step = p.step
                 last_loss = float(v[0]) / (gas * world)
                 events = guards.judge(v, last_loss, p.lr, engine.module, p.skipped, p.scale)
@@ -618,7 +637,7 @@ def fit(
                         "step": p.step,
                         "loss": f"{last_loss:.8g}",
                         "lr": f"{p.lr:.8g}",
-                        "grad_norm": "" if p.grad_norm is None else f"{float(p.grad_norm):.6g}",
+                        "grad_norm": "" if gn is None else f"{gn:.6g}",
                         "samples": p.samples,
                         "sample_digest": int(v[1]),
                         "step_s": f"{step_s:.5f}",
@@ -656,6 +675,7 @@ def fit(
                 loader.close()
                 finish_pending(run, writer)
                 back = rollback(run, engine, prog, guards, log)
+                guards.skipped = int(engine.skipped_steps)  # restored with the checkpoint
                 if display is not None and sink is not None:
                     display.rewind(back)
                     sink.rewind(back)
@@ -737,7 +757,7 @@ def rollback(run: StageRun, engine: Any, prog: Progress, guards: StepGuards, log
     back = int(engine.global_steps)
     skipped_from = int(newest.meta["data"]["samples_consumed"])
     guards.rollbacks += 1
-    guards.watchdog.forget_after(max(0, len(guards.watchdog.losses) - (guards.step - back)))
+    guards.watchdog.forget_after(back)
     if dist.is_main():
         write_metrics(run, [], keep_upto=back)
     guards.record(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,10 @@ class StepGuards:
         self.fp16, self.min_loss_scale = fp16, min_loss_scale
         self.watchdog = health.LossWatchdog(g)
         self.norms: list[torch.Tensor] = []  # this step's per-gradient norms (hooks)
+        # Per-parameter sums taken at each fingerprint step, kept until that step is judged:
+        # the replicas may agree again by the check (ZeRO-1/2 re-gather the parameters every
+        # step), so the odd parameter is named from the step that differed.
+        self.param_sums: dict[int, tuple[list[str], list[float]]] = {}
         self.step = 0
         self.handles: list[Any] = []
         self.events: list[Event] = []
@@ -77,7 +82,7 @@ class StepGuards:
             grad = torch.zeros_like(grad)
         # One fused reduction in fp32 (2.3x faster than float().pow(2).sum() on a 512x512
         # bf16 gradient, bench notes in BENCHMARKS.md), and nothing else: the norms are
-        # combined once a step (vector), not once per gradient and micro-batch.
+        # combined once a step (vector) and read on the host once per check.
         self.norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         return grad
 
@@ -94,20 +99,24 @@ class StepGuards:
 
     def vector(
         self, module: torch.nn.Module, extra: int = 0
-    ) -> tuple[list[float], list[torch.Tensor]]:
+    ) -> tuple[list[float], torch.Tensor | None]:
         """This rank's row for the step: [loss, digest, grad norm per rank, fingerprint per
         rank, step s, probe s, then ``extra`` slots for the caller], summed over ranks by the
         check, so step s and probe s become sums and every rank reads the same means (probe
-        decisions are collective and must agree). Plain floats, and this step's gradient norms
-        as tensors where the gradients live: the check fills the loss and this rank's norm
-        (slot ``2 + rank``) for all its steps at once, one host transfer per check."""
+        decisions are collective and must agree). Plain floats, and this step's squared
+        gradient norm as a tensor where the gradients live (None without hooks): the check
+        fills the loss and this rank's norm (slot ``2 + rank``) for all its steps at once,
+        one host transfer per check."""
         w = self.world
         v = [0.0] * (4 + 2 * w + extra)
         if self._fingerprint_due():
-            v[2 + w + self.rank] = _checksum(module)
+            names, sums = _per_param(module)
+            self.param_sums[self.step] = (names, sums)
+            v[2 + w + self.rank] = math.fsum(x * (i + 1) for i, x in enumerate(sums))
         v[2 + 2 * w] = time.perf_counter() - self.t_begin
         v[3 + 2 * w], self.probe_s = self.probe_s, 0.0
-        return v, self.norms
+        sq = torch.stack(self.norms).double().square().sum() if self.norms else None
+        return v, sq
 
     def _probe_due(self, v: list[float]) -> bool:
         """Fixed ``comm_probe_interval``, or adaptive: after each probe the next one is placed
@@ -164,10 +173,28 @@ class StepGuards:
             if e.rank not in low or self.low_streak[e.rank] >= self.g.grad_drop_patience
         ]
         if self._fingerprint_due():
+            kept = self.param_sums.pop(step, None)
+            names, sums = kept if kept is not None else _per_param(module)
+            self.param_sums = {k: x for k, x in self.param_sums.items() if k > step}
             prints = [float(x) for x in v[2 + w : 2 + 2 * w]]
             if len(set(prints)) > 1:  # find the first parameter that differs, by name
-                names, sums = _per_param(module)
-                out += health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
+                found = health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
+                if not found:  # the sums agree one by one but not weighted: name the ranks
+                    majority = statistics.mode(prints)
+                    found = [
+                        Event(
+                            "replica-divergence",
+                            step,
+                            self.g.divergence_policy,
+                            f"parameter checksum {prints[r]!r} differs from the other"
+                            f" replicas' {majority!r}",
+                            r,
+                            self.hosts[r],
+                        )
+                        for r in range(w)
+                        if prints[r] != majority
+                    ]
+                out += found
         if self._probe_due(v):
             t0 = time.perf_counter()
             times = health.send_times(self.plan, step, (1 << 20,))  # 4 MB
@@ -194,8 +221,7 @@ class StepGuards:
                 )
             )
             self.skipped = skipped
-        if self.fp16:
-            scale = float(scale or 0.0)
+        if self.fp16 and scale is not None:
             self.scale_at_min = self.scale_at_min + 1 if scale <= self.min_loss_scale else 0
             if self.scale_at_min >= self.g.loss_scale_stuck_steps:
                 out.append(
@@ -231,17 +257,6 @@ class StepGuards:
         for e in self.events:
             out[e.guard] = out.get(e.guard, 0) + 1
         return out
-
-
-def _checksum(module: torch.nn.Module) -> float:
-    with torch.no_grad():
-        return float(
-            sum(
-                p.detach().double().sum() * (i + 1)
-                for i, p in enumerate(module.parameters())
-                if p.numel() > 0
-            )
-        )
 
 
 def _per_param(module: torch.nn.Module) -> tuple[list[str], list[float]]:

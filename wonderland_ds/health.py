@@ -48,6 +48,7 @@ class LossWatchdog:
         self.g = g
         self.losses: list[float] = []
         self.lrs: list[float] = []
+        self.steps: list[int] = []  # the step of each loss (a NaN step has none)
 
     def update(self, step: int, loss: float, lr: float) -> list[Event]:
         g, out = self.g, []
@@ -76,6 +77,7 @@ class LossWatchdog:
                 )
         self.losses.append(loss)
         self.lrs.append(lr)
+        self.steps.append(step)
         n = g.plateau_window
         if n and len(self.losses) >= 2 * n and self.lrs[-1] >= self.lrs[-n]:
             before = statistics.fmean(self.losses[-2 * n : -n])
@@ -91,8 +93,10 @@ class LossWatchdog:
                 )
         return out
 
-    def forget_after(self, step_count: int) -> None:
-        del self.losses[step_count:], self.lrs[step_count:]
+    def forget_after(self, step: int) -> None:
+        """Drop the losses of the steps after ``step`` (a rollback to it)."""
+        keep = sum(1 for s in self.steps if s <= step)
+        del self.losses[keep:], self.lrs[keep:], self.steps[keep:]
 
 
 def grad_drops(step: int, norms: list[float], hosts: list[str], g: Guards) -> list[Event]:
@@ -187,7 +191,7 @@ def send_times(plan: faults.FaultPlan, step: int, sizes: tuple[int, ...]) -> lis
     for step_dir in (1, -1) if world > 2 else (1,):
         mine = 0.0
         for n in sizes:
-            buf = torch.ones(n, dtype=torch.float32)
+            buf = torch.ones(n, dtype=torch.float32, device=dist.device())
             mine += min(_ring_once(plan, step, buf, step_dir) for _ in range(3))
         received = dist.gather_all(mine)  # rank r measured the transfer from rank r - step_dir
         per_direction.append([float(received[(s + step_dir) % world]) for s in range(world)])
@@ -209,6 +213,7 @@ def _ring_once(plan: faults.FaultPlan, step: int, buf: Any, direction: int = 1) 
             dist.send(buf, receiver)
         elif rank == receiver:
             dist.recv(buf, sender)
+            dist.sync(buf.device)
             took = time.perf_counter() - t0
             plan.base_transfer_s = max(took, 1e-3)  # the slow fault scales this
     return took
@@ -230,9 +235,10 @@ def verify_allreduce(
     dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
     wrong: set[int] = set()
     t0 = time.perf_counter()
+    dev = dist.device()  # on CUDA the check runs through NCCL, as training does
     for dt in dtypes:
         for n in sizes:
-            k = torch.arange(n)
+            k = torch.arange(n, device=dev)
             t = (k % world == rank).to(dt)
             dist.all_reduce_sum(t)
             bad = (t.float() != 1.0).nonzero().flatten()
