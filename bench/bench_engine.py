@@ -236,6 +236,11 @@ def main() -> None:
     ap.add_argument("--save", type=int, default=0, help="save repetitions (0: no save bench)")
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument(
+        "--sides",
+        default="raw,wonderland,guards-off,check-every-step",
+        help="step-time sides to run (raw is always run: the ratios are to it)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="cProfile one wonderland and one raw run on rank 0 (where time goes)",
@@ -289,25 +294,25 @@ def main() -> None:
             "guards-off": [],
             "check-every-step": [],
         }
-        for rep in range(args.reps):
-            sides["raw"].append(statistics.fmean(raw_loop(task, config, args.steps)[5:]))
-            sides["wonderland"].append(
-                statistics.fmean(
-                    wonderland_loop(task, config, args.steps, True, folder / f"on{rep}")[5:]
-                )
-            )
-            sides["guards-off"].append(
-                statistics.fmean(
-                    wonderland_loop(task, config, args.steps, False, folder / f"off{rep}")[5:]
-                )
-            )
+        wanted = set(args.sides.split(",")) | {"raw"}
+        sides = {k: v for k, v in sides.items() if k in wanted}
+        runs = {
+            "raw": lambda rep: raw_loop(task, config, args.steps),
+            "wonderland": lambda rep: wonderland_loop(
+                task, config, args.steps, True, folder / f"on{rep}"
+            ),
+            "guards-off": lambda rep: wonderland_loop(
+                task, config, args.steps, False, folder / f"off{rep}"
+            ),
             # guards.check_interval 1: the guards' all-reduce every step (the default checks
             # every 10 steps), to show what that collective costs.
-            sides["check-every-step"].append(
-                statistics.fmean(
-                    wonderland_loop(task, config, args.steps, True, folder / f"c1{rep}", 1)[5:]
-                )
-            )
+            "check-every-step": lambda rep: wonderland_loop(
+                task, config, args.steps, True, folder / f"c1{rep}", 1
+            ),
+        }
+        for rep in range(args.reps):
+            for side in sides:  # alternating: raw, wonderland, guards-off, ... each repetition
+                sides[side].append(statistics.fmean(runs[side](rep)[5:]))
         # Each run's mean step time (first 5 steps dropped), not its median: the guards' check
         # comes every guards.check_interval steps, and a median would not see it.
         result["mean_step_s"] = sides
