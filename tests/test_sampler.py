@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wonderland_ds.data import GlobalSampler, LoaderState
+from wonderland_ds.data import GlobalSampler, LoaderState, sample_digest
 
 
 def step_samples(sampler: GlobalSampler, start: int, micro: int, gas: int, world: int):
@@ -71,6 +71,7 @@ def test_prefetcher_yields_the_same_batches_inline_or_threaded(threshold):
         assert mb.position == pos
         assert mb.y.tolist() == s.indices(pos, 4).tolist()
         assert np.array_equal(mb.x.numpy(), x[s.indices(pos, 4)])
+        assert mb.digest == sample_digest(s.indices(pos, 4))  # read a step at a time
 
 
 class _SlowSource:

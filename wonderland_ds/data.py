@@ -70,6 +70,11 @@ def sample_digest(indices: np.ndarray) -> float:
     return float((((indices.astype(np.int64) + 1) * 2654435761) % 2147483647).sum())
 
 
+def sample_digests(rows: np.ndarray) -> list[float]:
+    """:func:`sample_digest` of each row, in one pass."""
+    return [float(d) for d in (((rows.astype(np.int64) + 1) * 2654435761) % 2147483647).sum(1)]
+
+
 @dataclass
 class MicroBatch:
     x: Any
@@ -110,6 +115,9 @@ class Prefetcher:
         import threading
 
         self.wait_s = 0.0
+        # Plain ndarray views of the memory maps: fancy indexing an np.memmap builds memmap
+        # subclass objects on every read.
+        x, y = (np.asarray(a) if isinstance(a, np.memmap) else a for a in (x, y))
         self._x, self._y, self._sampler, self._x_dtype = x, y, sampler, x_dtype
         self._start, self._micro, self._gas = start, micro, gas
         self._world, self._rank, self._steps = world, rank, steps
@@ -141,13 +149,9 @@ class Prefetcher:
         if self._x_dtype is not None and tx.is_floating_point():
             tx = tx.to(self._x_dtype)
         mb = self._micro
+        digests = sample_digests(idx.reshape(self._gas, mb))
         return [
-            MicroBatch(
-                tx[m * mb : (m + 1) * mb],
-                ty[m * mb : (m + 1) * mb],
-                base + o,
-                sample_digest(idx[m * mb : (m + 1) * mb]),
-            )
+            MicroBatch(tx[m * mb : (m + 1) * mb], ty[m * mb : (m + 1) * mb], base + o, digests[m])
             for m, o in enumerate(self._offsets)
         ]
 
