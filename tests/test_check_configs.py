@@ -497,6 +497,12 @@ BROKEN = [
         "wonderland",
     ),
     Broken(
+        "wonderland-guards-check_interval-zero",
+        {"wonderland.guards": {"check_interval": 0}},
+        "wonderland-settings",
+        "wonderland.guards.check_interval",
+    ),
+    Broken(
         "wonderland-train_steps-string",
         {"wonderland.train_steps": "100"},
         "wonderland-settings",
