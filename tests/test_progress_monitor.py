@@ -148,6 +148,75 @@ def test_guard_figures():
     assert figs["Guards/skipped_steps"] == 2.0 and figs["Guards/events"] == 1.0
 
 
+def _ds_master(folder: Path, monkeypatch):
+    """A DeepSpeed MonitorMaster with CSV and TensorBoard under ``folder``, as rank 0 of a
+    process group that is not there (DeepSpeed's writers ask deepspeed.comm for the rank)."""
+    import deepspeed.comm
+    from deepspeed.monitor.config import get_monitor_config
+    from deepspeed.monitor.monitor import MonitorMaster
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    return MonitorMaster(get_monitor_config(monitor.monitor_sections({}, folder, tensorboard=True)))
+
+
+def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch):
+    """write_batch (one open per CSV file, one TensorBoard event per step) writes what
+    DeepSpeed's MonitorMaster.write_events writes event by event: the same CSV bytes, the same
+    scalars read back from TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    theirs = _ds_master(tmp_path / "ds", monkeypatch)
+    ours = _ds_master(tmp_path / "ours", monkeypatch)
+    sink = monitor.MetricsSink({}, tmp_path / "unused", rank=1)  # only for .events()
+    batches: list[list[tuple[str, float, int]]] = [[], []]
+    for r in rows(12):
+        extra = monitor.guard_figures([0.5, 0.25 * (r["step"] % 3)], loss_median=1.5)
+        extra["Odd tag/with space"] = r["step"] / 7  # DeepSpeed turns spaces into _ too
+        batches[r["step"] > 5] += sink.events(r, loss_scale=2.0 ** r["step"], extra=extra)
+    for batch in batches:  # two batches: the header is written once, rows append
+        theirs.write_events(batch)
+        monitor.write_batch(ours, batch)
+    theirs.tb_monitor.summary_writer.close()
+    ours.tb_monitor.summary_writer.close()
+
+    ds_csv = sorted((tmp_path / "ds" / "monitor" / "csv").glob("*.csv"))
+    our_csv = tmp_path / "ours" / "monitor" / "csv"
+    assert len(ds_csv) == 14 and (our_csv / "Odd_tag_with_space.csv").exists()
+    assert sorted(p.name for p in our_csv.glob("*.csv")) == [p.name for p in ds_csv]
+    for path in ds_csv:
+        assert (our_csv / path.name).read_bytes() == path.read_bytes(), path.name
+
+    def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+        acc = EventAccumulator(str(folder / "monitor" / "tensorboard"))
+        acc.Reload()
+        return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+    expected = scalars(tmp_path / "ds")
+    assert len(expected) == 14 and len(expected[monitor.LOSS]) == 12
+    assert scalars(tmp_path / "ours") == expected
+
+
+def test_batched_writes_hand_wandb_comet_and_other_monitors_the_events_as_they_are():
+    class Recorder:
+        def __init__(self) -> None:
+            self.got: list[list[tuple[str, float, int]]] = []
+
+        def write_events(self, events):
+            self.got.append(list(events))
+
+    class Master:  # MonitorMaster's shape with only wandb and comet enabled
+        tb_monitor = csv_monitor = None
+        wandb_monitor, comet_monitor = Recorder(), Recorder()
+
+    events = [("Train/Steps/loss", 1.5, 3), ("Train/Steps/lr", 0.1, 3)]
+    master = Master()
+    monitor.write_batch(master, events)
+    assert master.wandb_monitor.got == [events] and master.comet_monitor.got == [events]
+    other = Recorder()  # not a MonitorMaster: its own write_events
+    monitor.write_batch(other, events)
+    assert other.got == [events]
+
+
 def test_sink_on_other_ranks_writes_nothing(tmp_path):
     sink = monitor.MetricsSink({}, tmp_path, rank=1)
     for r in rows(3):
