@@ -84,6 +84,7 @@ def test_every_fault_is_detected_with_its_latency(run16):
     check = json.loads((run16 / "stage16" / "allreduce_check.json").read_text())
     assert all(row["allreduce_ok"] for row in check["ranks"])
     assert check["ranks"][1]["send_ratio"] > 1.25
+    assert check["probe_s"] > 0  # places the first in-training probe
 
 
 def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):

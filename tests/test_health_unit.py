@@ -88,16 +88,26 @@ def test_fault_grammar():
             faults.parse(bad)
 
 
-def _probe_schedule(g, step_s: float, probe_s: float, steps: int, world: int = 2) -> list[int]:
+def _probe_schedule(
+    g,
+    step_s: float,
+    probe_s: float,
+    steps: int,
+    world: int = 2,
+    first: int = 0,
+    hint: float | None = None,
+) -> list[int]:
     """Drive StepGuards._probe_due as judge() does with a check every step: a probe's cost
-    arrives in the next step's row."""
-    from wonderland_ds.guards import FIRST_PROBE, StepGuards
+    arrives in the next step's row. The stage starts after global step ``first``; ``hint``:
+    the start check's probe time."""
+    from wonderland_ds.guards import StepGuards
 
     sg = StepGuards.__new__(StepGuards)
-    sg.g, sg.world, sg.step_ema, sg.last_probe = g, world, None, 0
-    sg.next_probe, sg.probe_intervals = FIRST_PROBE, []
+    sg.g, sg.world, sg.step_ema, sg.probe_intervals = g, world, None, []
+    sg.probe_hint_s = hint
+    sg.start(first)
     due: list[int] = []
-    for step in range(1, steps + 1):
+    for step in range(first + 1, first + steps + 1):
         sg.step = step
         v = torch.zeros(4 + 2 * world, dtype=torch.float64)
         v[2 + 2 * world] = step_s * world  # summed over ranks
@@ -125,6 +135,22 @@ def test_adaptive_comm_probe_stays_within_its_budget():
     assert _probe_schedule(Guards(comm_probe_interval=7), 0.015, 0.028, 30) == [7, 14, 21, 28]
     assert _probe_schedule(Guards(comm_probe_interval=0), 0.015, 0.028, 30) == []
     assert _probe_schedule(Guards(), 0.015, 0.028, 30, world=1) == []
+    # A resumed stage counts from its first step, not from global step 0.
+    assert _probe_schedule(Guards(), 0.015, 0.028, 400, first=500)[:2] == [510, 697]
+
+
+def test_first_probe_is_placed_by_the_start_checks_probe_time():
+    from wonderland_ds.settings import Guards
+
+    # The start check (at the stage's start) timed the probe: it counts as the probe at the
+    # first step, so the first in-training probe already keeps to the budget.
+    due = _probe_schedule(Guards(), 0.015, 0.028, 2000, hint=0.028)
+    assert due[0] == 187 and {b - a for a, b in zip(due, due[1:])} == {187}
+    assert _probe_schedule(Guards(), 0.015, 0.028, 400, first=500, hint=0.028)[0] == 687
+    # Slow steps: the floor, as without a hint; a fixed interval ignores the hint.
+    assert _probe_schedule(Guards(), 1.0, 0.028, 30, hint=0.028) == [10, 20, 30]
+    fixed = _probe_schedule(Guards(comm_probe_interval=7), 0.015, 0.028, 20, hint=0.028)
+    assert fixed == [7, 14]
 
 
 def test_rollback_forgets_the_losses_after_its_step_even_past_a_nan():

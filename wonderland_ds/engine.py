@@ -412,6 +412,7 @@ def start_check(run: StageRun, guards: StepGuards, verify: bool) -> None:
             flush=True,
         )
     guards.record(events)
+    guards.probe_hint_s = float(report["probe_s"])
     stop = [e for e in events if e.policy == "stop"]
     if stop:
         raise GuardStop(
@@ -517,6 +518,7 @@ def fit(
         float(fp16.min_loss_scale),
     )
     guards.skipped = int(engine.skipped_steps)  # DeepSpeed restores its count on a resume
+    guards.start(first)
     start_check(run, guards, verify)
     guards.attach(engine.module)
     writer = async_ckpt.install(engine)

@@ -65,6 +65,14 @@ class StepGuards:
         self.next_probe = FIRST_PROBE
         self.step_ema: float | None = None
         self.probe_intervals: list[int] = []
+        # The start check's probe time (the same on every rank): the start check counts as a
+        # probe at step 0, so the first probe in training is placed by the budget too.
+        self.probe_hint_s: float | None = None
+
+    def start(self, first: int) -> None:
+        """The stage (re)starts after global step ``first``: the first adaptive probe comes
+        FIRST_PROBE steps later, or where the start check's probe time places it."""
+        self.last_probe, self.next_probe = first, first + FIRST_PROBE
 
     # ------------------------------------------------------------ hooks
 
@@ -133,6 +141,13 @@ class StepGuards:
             mean_step if self.step_ema is None else 0.9 * self.step_ema + 0.1 * mean_step
         )
         probe = float(v[3 + 2 * w]) / w
+        if (
+            probe == 0
+            and not self.probe_intervals
+            and self.probe_hint_s
+            and step >= self.next_probe
+        ):
+            probe = self.probe_hint_s  # the start check's probe, at the stage's first step
         if probe > 0:  # the probe of step last_probe, reported now: place the next one
             lo, hi = PROBE_INTERVAL_BOUNDS
             want = probe / (self.g.comm_probe_budget * max(self.step_ema, 1e-6))
@@ -197,7 +212,7 @@ class StepGuards:
                 out += found
         if self._probe_due(v):
             t0 = time.perf_counter()
-            times = health.send_times(self.plan, step, (1 << 20,))  # 4 MB
+            times = health.send_times(self.plan, step, health.PROBE_SIZES)
             self.probe_s, self.last_probe = time.perf_counter() - t0, step
             self.next_probe = step + PROBE_INTERVAL_BOUNDS[1]  # until its cost is known
             slow = health.slow_ranks(step, times, self.hosts, self.g, "slow-comm")

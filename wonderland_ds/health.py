@@ -172,6 +172,11 @@ def divergence(
 # ---------------------------------------------------------------- transfer checks (collective)
 
 
+#: The transfer probe's sizes (float32 elements): 4 MB in training; 4 and 16 MB at the start.
+PROBE_SIZES = (1 << 20,)
+START_SIZES = (1 << 20, 1 << 22)
+
+
 def send_times(plan: faults.FaultPlan, step: int, sizes: tuple[int, ...]) -> list[float]:
     """Per-rank transfer times. Each rank in turn sends to its neighbour, one pair at a time so
     that pairs do not contend; the receiver times the transfer (a send may return before the
@@ -245,9 +250,15 @@ def verify_allreduce(
             wrong |= {int(b) % world for b in bad[:1000]}
     seen = dist.gather_all(sorted(wrong))
     allreduce_s = dist.gather_all(time.perf_counter() - t0)
-    # Two rounds; a rank counts as slow only if both say so (a busy host makes one noisy).
-    first = {e.rank for e in slow_ranks(0, send_times(plan, 0, (1 << 20, 1 << 22)), hosts, g)}
-    sends = send_times(plan, 0, (1 << 20, 1 << 22))
+    # Two rounds; a rank counts as slow only if both say so (a busy host makes one noisy). The
+    # 16 MB size makes a slow link stand out by more than slow_min_ms on a fast one.
+    first = {e.rank for e in slow_ranks(0, send_times(plan, 0, START_SIZES), hosts, g)}
+    t1 = time.perf_counter()
+    sends = send_times(plan, 0, START_SIZES)
+    # What the in-training probe (4 MB of the round's 20) will cost, from the second round's
+    # wall time (the slowest rank's: the same number on every rank, as probe placement needs).
+    # Places the first probe in training (guards.StepGuards.probe_hint_s).
+    probe_s = max(dist.gather_all(time.perf_counter() - t1)) * sum(PROBE_SIZES) / sum(START_SIZES)
     events = [
         Event(
             "allreduce-wrong",
@@ -266,6 +277,7 @@ def verify_allreduce(
         "world_size": world,
         "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
         "sizes": list(sizes),
+        "probe_s": round(probe_s, 6),
         "ranks": [
             {
                 "rank": r,
