@@ -326,12 +326,15 @@ def main() -> None:
         # Each run's mean step time (first 5 steps dropped), not its median: the guards' check
         # comes every guards.check_interval steps, and a median would not see it.
         result["mean_step_s"] = sides
-        # Against the raw loop, measured in the same processes: min over min, median over median.
+        # Against the raw loop, measured in the same processes: min over min, median over
+        # median, and the median of each repetition's own ratio (its run over the raw run just
+        # before it: slow drifts of the machine cancel).
         raw = sides["raw"]
         result["ratio_to_raw"] = {
             k: {
                 "min": round(min(v) / min(raw), 3),
                 "median": round(statistics.median(v) / statistics.median(raw), 3),
+                "paired_median": round(statistics.median(a / b for a, b in zip(v, raw)), 3),
             }
             for k, v in sides.items()
             if k != "raw"
