@@ -25,7 +25,7 @@ from .health import Event
 from .settings import Guards
 
 SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
-FIRST_PROBE = 10  # adaptive probing: the first in-training probe (the start check ran at step 0)
+FIRST_PROBE = 10  # adaptive probing without the start check: the first probe, steps after start
 PROBE_INTERVAL_BOUNDS = (10, 1000)
 
 
@@ -66,7 +66,7 @@ class StepGuards:
         self.step_ema: float | None = None
         self.probe_intervals: list[int] = []
         # The start check's probe time (the same on every rank): the start check counts as a
-        # probe at step 0, so the first probe in training is placed by the budget too.
+        # probe at the stage's first step, so the first probe in training keeps to the budget.
         self.probe_hint_s: float | None = None
 
     def start(self, first: int) -> None:
