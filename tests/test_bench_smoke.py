@@ -69,3 +69,26 @@ def test_loader_bench_one_tiny_repetition():
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "samples/s" in r.stdout, r.stdout[-2000:]
+
+
+def test_parts_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "parts.json"
+    cmd = [
+        sys.executable,
+        "bench/bench_parts.py",
+        "--steps",
+        "20",
+        "--reps",
+        "1",
+        "--out",
+        str(out),
+    ]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text())
+    m, h = got["metrics"], got["hooks"]
+    assert (
+        m["tags_per_step"] == 14 and len(m["ds_write_events_ms"]) == len(m["write_batch_ms"]) == 1
+    )
+    assert min(m["ds_write_events_ms"] + m["write_batch_ms"]) > 0
+    assert h["hooked_grads_per_step"] == 16 and len(h["plain_ms"]) == len(h["hooked_ms"]) == 1
