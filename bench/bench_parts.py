@@ -4,10 +4,13 @@
 
 1. Metrics: one step's events (the 14 tags engine.fit writes on a 2-rank digits run) through
    DeepSpeed's own ``MonitorMaster.write_events``, event by event, against
-   ``monitor.write_batch`` (batched), both into a CSV and a TensorBoard writer; CPU time per step
-   of the writing thread's work, written every 10 steps as the sink does.
-2. Guard hooks: forward and backward of a small bf16 model (digits' shapes) with and without
-   the guards' per-gradient norm hook; microseconds per hooked gradient.
+   ``monitor.write_batch`` (batched), with TensorBoard's pure-Python record checksum and with
+   the C one (``monitor.fast_tensorboard_crc``), all into a CSV and a TensorBoard writer; CPU
+   time per step of the process (TensorBoard's writer thread included), written every 10 steps
+   as the sink does.
+2. Guard hooks: forward and backward of a small bf16 model (digits' shapes) without a hook,
+   with the guards' per-gradient norm hook (the norm in the gradient's dtype) and with the
+   hook it replaced (an fp32 result); CPU microseconds per hooked gradient.
 Sides alternate within each repetition; min and median over repetitions.
 """
 
@@ -62,20 +65,30 @@ def _events(steps: int, start: int) -> list[list[tuple[str, float, int]]]:
 
 
 def metrics(steps: int, reps: int) -> dict:
+    from tensorboard.summary.writer import record_writer
+
+    stock_crc = record_writer.masked_crc32c
+    if not monitor.fast_tensorboard_crc():
+        raise SystemExit("google_crc32c's C implementation is not available")
+    fast_crc = record_writer.masked_crc32c
     folder = Path(tempfile.mkdtemp(prefix="wl-parts-"))
     theirs, ours = _master(folder / "ds"), _master(folder / "ours")
-    out: dict = {"tags_per_step": None, "ds_write_events_ms": [], "write_batch_ms": []}
+    sides = (  # key, writer, TensorBoard's record checksum
+        ("ds_write_events_ms", theirs.write_events, stock_crc),
+        ("write_batch_python_crc_ms", lambda b: monitor.write_batch(ours, b), stock_crc),
+        ("write_batch_ms", lambda b: monitor.write_batch(ours, b), fast_crc),
+    )
+    out: dict = {"tags_per_step": None, **{k: [] for k, _, _ in sides}}
     for rep in range(reps):
         batches = _events(steps, rep * steps)
         out["tags_per_step"] = sum(len(b) for b in batches) / steps
-        for key, write in (
-            ("ds_write_events_ms", theirs.write_events),
-            ("write_batch_ms", lambda b: monitor.write_batch(ours, b)),
-        ):
-            t0 = time.process_time()
+        for key, write, crc in sides:
+            record_writer.masked_crc32c = crc
+            t0 = time.process_time()  # every thread: TensorBoard's writer thread included
             for b in batches:
                 write(b)
             out[key].append((time.process_time() - t0) / steps * 1e3)
+    record_writer.masked_crc32c = fast_crc
     return out
 
 
@@ -87,27 +100,50 @@ def hooks(steps: int, reps: int) -> dict:
     x, y = torch.randn(16, 64).bfloat16(), torch.randint(0, 10, (16,))
     norms: list[torch.Tensor] = []
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:  # the guards' hook (guards.StepGuards._hook)
+    def hook_fp32(grad: torch.Tensor) -> torch.Tensor:  # the guards' hook up to session 6
         norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         return grad
 
+    def hook(grad: torch.Tensor) -> torch.Tensor:  # guards.StepGuards._hook: native dtype
+        norms.append(torch.linalg.vector_norm(grad))
+        return grad
+
     def run() -> float:
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         for _ in range(steps):
             for _ in range(4):  # 4 micro-batches a step
                 torch.nn.functional.cross_entropy(model(x).float(), y).backward()
             norms.clear()
-        return (time.perf_counter() - t0) / steps
+        return (time.process_time() - t0) / steps
 
     params = [p for p in model.parameters() if p.requires_grad]
-    out: dict = {"hooked_grads_per_step": 4 * len(params), "plain_ms": [], "hooked_ms": []}
+    # The norm alone on this model's gradient shapes (timeit, best of 7: the whole-step
+    # figures below move by more than the difference on a busy machine).
+    import timeit
+
+    grads = [torch.randn_like(p) for p in params]
+    norm_us = {
+        name: min(timeit.repeat(lambda fn=fn: [fn(g) for g in grads], number=2000, repeat=7))
+        / (2000 * len(grads))
+        * 1e6
+        for name, fn in (
+            ("fp32_result", lambda g: torch.linalg.vector_norm(g, dtype=torch.float32)),
+            ("native", lambda g: torch.linalg.vector_norm(g)),
+        )
+    }
+    sides = {"plain_ms": None, "hooked_fp32_ms": hook_fp32, "hooked_ms": hook}
+    out: dict = {
+        "hooked_grads_per_step": 4 * len(params),
+        "norm_us_best": {k: round(v, 2) for k, v in norm_us.items()},
+        **{k: [] for k in sides},
+    }
     run()  # warm-up
     for _ in range(reps):
-        out["plain_ms"].append(run() * 1e3)
-        handles = [p.register_hook(hook) for p in params]
-        out["hooked_ms"].append(run() * 1e3)
-        for h in handles:
-            h.remove()
+        for key, fn in sides.items():  # alternating within each repetition
+            handles = [p.register_hook(fn) for p in params] if fn else []
+            out[key].append(run() * 1e3)
+            for h in handles:
+                h.remove()
     return out
 
 
@@ -120,10 +156,14 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     m, h = metrics(args.steps, args.reps), hooks(args.steps, args.reps)
     m["ratio_min"] = round(min(m["ds_write_events_ms"]) / min(m["write_batch_ms"]), 2)
-    per_grad = [
-        (a - b) * 1e3 / h["hooked_grads_per_step"] for a, b in zip(h["hooked_ms"], h["plain_ms"])
-    ]
-    h["us_per_hooked_grad_median"] = round(statistics.median(per_grad), 2)
+    m["ratio_min_python_crc"] = round(
+        min(m["write_batch_python_crc_ms"]) / min(m["write_batch_ms"]), 2
+    )
+    for key in ("hooked_ms", "hooked_fp32_ms"):
+        per_grad = [
+            (a - b) * 1e3 / h["hooked_grads_per_step"] for a, b in zip(h[key], h["plain_ms"])
+        ]
+        h[f"us_per_grad_{key[:-3]}_median"] = round(statistics.median(per_grad), 2)
     result = {"metrics": m, "hooks": h}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -54,8 +54,13 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
     for side in ("raw", "wonderland", "guards-off", "check-every-step"):
         (t,) = res["mean_step_s"][side]
         assert 0 < t < 5, (side, t)
+        (b,) = res["block_q25_step_s"][side]
+        (c,) = res["cpu_step_s"][side]
+        assert 0 < b < 5 and 0 < c < 10, (side, b, c)
         if side != "raw":
             assert res["ratio_to_raw"][side]["min"] > 0, side
+            assert res["block_ratio_to_raw"][side]["min"] > 0, side
+            assert res["cpu_ratio_to_raw"][side]["min"] > 0, side
     save = res["save"]
     assert res["disk_write_Bps"] > 0 and save["checkpoint_bytes"] > 0
     for key in ("ds_sync_s", "ds_sync_durable_s", "wl_blocked_s", "wl_complete_s"):
@@ -87,8 +92,9 @@ def test_parts_bench_one_tiny_repetition(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(out.read_text())
     m, h = got["metrics"], got["hooks"]
-    assert (
-        m["tags_per_step"] == 14 and len(m["ds_write_events_ms"]) == len(m["write_batch_ms"]) == 1
-    )
-    assert min(m["ds_write_events_ms"] + m["write_batch_ms"]) > 0
-    assert h["hooked_grads_per_step"] == 16 and len(h["plain_ms"]) == len(h["hooked_ms"]) == 1
+    sides = ("ds_write_events_ms", "write_batch_python_crc_ms", "write_batch_ms")
+    assert m["tags_per_step"] == 14 and [len(m[k]) for k in sides] == [1, 1, 1]
+    assert min(m[k][0] for k in sides) > 0
+    assert h["hooked_grads_per_step"] == 16
+    assert len(h["plain_ms"]) == len(h["hooked_ms"]) == len(h["hooked_fp32_ms"]) == 1
+    assert min(h["plain_ms"] + h["hooked_ms"] + h["hooked_fp32_ms"]) > 0
