@@ -237,3 +237,32 @@ def test_cuda_hosts_get_gloo_for_cpu_tensors_beside_nccl(monkeypatch):
         fake = SimpleNamespace(device_name=lambda n=name: n)
         monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda f=fake: f)
         assert distributed.backend() == want
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_hook_norms_match_an_fp64_norm_and_fp16_does_not_overflow(dtype, tmp_path):
+    """The hook's norm is taken in the gradient's dtype for bf16 (fp32 accumulation, bf16
+    result: within 0.4%) and in fp32 for fp16, whose scaled gradients can pass 65504."""
+    import torch
+
+    from wonderland_ds import faults
+    from wonderland_ds.guards import StepGuards
+
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    model = torch.nn.Linear(64, 64).to(dt)
+    sg = StepGuards(Guards(), faults.FaultPlan(), tmp_path, 2, dtype == "float16", 1.0)
+    sg.attach(model)
+    sg.begin(0)
+    scale = 2e5 if dtype == "float16" else 1.0  # a loss-scaled fp16 backward
+    (model(torch.randn(8, 64).to(dt)).float().square().mean() * scale).backward()
+    _, sq = sg.vector(model)
+    sg.close()
+    assert sq is not None and sq.dtype == torch.float64
+    want = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    got = math.sqrt(float(sq))
+    if dtype == "float16":
+        assert want > 65504 and [n.dtype for n in sg.norms] == [torch.float32] * 2
+    if dtype == "bfloat16":
+        assert [n.dtype for n in sg.norms] == [torch.bfloat16] * 2
+    assert math.isfinite(got) and abs(got - want) <= 4e-3 * want, (got, want)
