@@ -2,7 +2,8 @@
 
 Launched by DeepSpeed's launcher: build the same model, ``deepspeed.initialize``,
 ``load_checkpoint`` (optimizer and scheduler state), one training step; rank 0 writes the wall
-clock time the first step ended to --out.
+clock time the first step ended to --out. Rank 0 also prints ``PHASE <name> <wall clock>``
+lines (imported, loaded) that bench/resume_timeline.py reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
+    import os
+
+    def phase(name: str) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"PHASE {name} {time.time()}", flush=True)
+
     import deepspeed
     import torch
 
@@ -36,6 +43,7 @@ def main() -> None:
     task = pylm()
     torch.manual_seed(0)
     model = task.build_model()
+    phase("imported")
     engine, *_ = deepspeed.initialize(
         model=model, config=config, model_parameters=[p for p in model.parameters()]
     )
@@ -43,6 +51,7 @@ def main() -> None:
         args.load_dir, tag=args.tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     assert path is not None, "DeepSpeed loaded nothing"
+    phase("loaded")
     mb = engine.train_micro_batch_size_per_gpu()
     for _ in range(engine.gradient_accumulation_steps()):
         x = torch.randint(0, 256, (mb, PYLM_CONTEXT))

@@ -1,0 +1,130 @@
+"""Where a same-topology resume spends its time, wonderland against plain DeepSpeed.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/resume_timeline.py --reps 2 --out R.json
+
+The checkpoint and both commands are bench_resume.py's (25.5M-parameter GPT, ZeRO-2 bf16, 2
+ranks, each side resuming from a fresh copy). Each output line is stamped with the seconds
+since the command started, and these milestones are read from it:
+
+* wonderland: ``front_done`` (the front printed its launch line), ``spawned`` (DeepSpeed's
+  launcher started the ranks), ``resumed`` (the checkpoint is loaded and checked),
+  ``start_check_done`` (the all-reduce verification table), ``first_step`` (metrics.csv);
+* DeepSpeed: ``spawned``, ``imported`` (torch, DeepSpeed and the model built), ``loaded``
+  (initialize and load_checkpoint), ``first_step``.
+
+Sides alternate; one repetition of each is a timeline, not a benchmark of the total (that is
+bench_resume.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_resume import BIN, config, env, first_step_wall  # noqa: E402
+
+
+def stamped(cmd: list[str], log: Path, marks: dict[str, str]) -> tuple[float, dict[str, float]]:
+    """Run ``cmd``; the first time a line contains a mark's text, that mark gets the line's
+    time since the start. ``PHASE name wall`` lines give ``name`` their own wall clock."""
+    got: dict[str, float] = {}
+    t0 = time.time()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=dict(env(), PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert proc.stdout is not None
+    with open(log, "w") as fh:
+        for line in proc.stdout:
+            now = time.time() - t0
+            fh.write(f"{now:8.3f} {line}")
+            if line.startswith("PHASE "):
+                _, name, wall = line.split()
+                got.setdefault(name, float(wall) - t0)
+            for name, text in marks.items():
+                if name not in got and text in line:
+                    got[name] = now
+    if proc.wait() != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{log.read_text()[-3000:]}")
+    return t0, got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ["WL_BENCH_DIM"], os.environ["WL_BENCH_LAYERS"] = str(args.dim), str(args.layers)
+    work = Path(tempfile.mkdtemp(prefix="wl-bench-timeline-"))
+    try:
+        cfg = config(work, args.dim, args.layers)
+        src = work / "stage15"
+        subprocess.run(
+            [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(cfg)]
+            + ["--run-dir", str(src), "--hostfile", "hostfiles/localhost"],
+            cwd=REPO,
+            env=env(),
+            check=True,
+            capture_output=True,
+        )
+        tag = (src / "stage15" / "checkpoints" / "latest").read_text().strip()
+        out: dict[str, list[dict[str, float]]] = {"wonderland": [], "deepspeed": []}
+        for rep in range(args.reps):
+            run_dir = work / "wl"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            shutil.copytree(src, run_dir, symlinks=True)
+            os.sync()
+            cmd = [str(BIN / "wonderland"), "train", "--stage", "16", "--config", str(cfg)]
+            cmd += ["--run-dir", str(run_dir), "--resume", "auto"]
+            cmd += ["--hostfile", "hostfiles/localhost"]
+            marks = {
+                "front_done": "launch: ",
+                "spawned": "spawned with command",
+                "resumed": "stage 16: resumed",
+                "start_check_done": "all-reduce verification",
+            }
+            t0, got = stamped(cmd, work / f"wl{rep}.log", marks)
+            got["first_step"] = first_step_wall(run_dir, 16) - t0
+            out["wonderland"].append({k: round(v, 2) for k, v in got.items()})
+
+            fresh = work / "ds" / tag
+            shutil.rmtree(fresh.parent, ignore_errors=True)
+            shutil.copytree(src / "stage15" / "checkpoints" / tag, fresh, symlinks=True)
+            os.sync()
+            port = str(29700 + int.from_bytes(os.urandom(1), "big"))
+            done = work / "ds.json"
+            cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check"]
+            cmd += ["--master_addr", "127.0.0.1", "--master_port", port, "bench/ds_resume.py"]
+            cmd += ["--config", str(cfg), "--load-dir", str(fresh.parent), "--tag", tag]
+            cmd += ["--out", str(done)]
+            t0, got = stamped(cmd, work / f"ds{rep}.log", {"spawned": "spawned with command"})
+            got["first_step"] = json.loads(done.read_text())["first_step_end"] - t0
+            out["deepspeed"].append({k: round(v, 2) for k, v in got.items()})
+            from wonderland_ds.distributed import shm_buffers
+
+            for path in shm_buffers(port):  # plain DeepSpeed leaves its /dev/shm buffers behind
+                Path(path).unlink(missing_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(json.dumps(out, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
