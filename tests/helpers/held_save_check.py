@@ -10,7 +10,7 @@ then more steps with the loop's fence before each optimizer update; then compare
 fence exists for is real). Prints one JSON line per stage on rank 0.
 
     RANK=r WORLD_SIZE=2 LOCAL_RANK=r LOCAL_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=P \\
-        python tests/helpers/held_save_check.py OUT_DIR [--no-fence]
+        python tests/helpers/held_save_check.py OUT_DIR [--no-fence] [--zero 1,2,3]
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ def step(engine, gen, writer: async_ckpt.Writer | None, waited: list[float]) -> 
 
 def main() -> None:
     out, fence = Path(sys.argv[1]), "--no-fence" not in sys.argv
+    stages = (1, 2, 3)
+    if "--zero" in sys.argv:  # a subset, e.g. --zero 2
+        stages = tuple(int(z) for z in sys.argv[sys.argv.index("--zero") + 1].split(","))
     dist.init(120)
-    for zero in (1, 2, 3):
+    for zero in stages:
         config = {
             "train_micro_batch_size_per_gpu": 4,
             "gradient_accumulation_steps": 2,
