@@ -71,6 +71,22 @@ def metrics(steps: int, reps: int) -> dict:
     if not monitor.fast_tensorboard_crc():
         raise SystemExit("google_crc32c's C implementation is not available")
     fast_crc = record_writer.masked_crc32c
+    # The checksum alone on one step's TensorBoard event (timeit, best of 7).
+    import timeit
+
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    step_events = _events(10, 0)[0][:14]
+    event = Event(
+        summary=Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v, _ in step_events]),
+        step=1,
+        wall_time=time.time(),
+    ).SerializeToString()
+    crc_us = {
+        name: round(min(timeit.repeat(lambda c=crc: c(event), number=500, repeat=7)) / 500 * 1e6, 2)
+        for name, crc in (("python", stock_crc), ("c", fast_crc))
+    }
     folder = Path(tempfile.mkdtemp(prefix="wl-parts-"))
     theirs, ours = _master(folder / "ds"), _master(folder / "ours")
     sides = (  # key, writer, TensorBoard's record checksum
@@ -78,7 +94,12 @@ def metrics(steps: int, reps: int) -> dict:
         ("write_batch_python_crc_ms", lambda b: monitor.write_batch(ours, b), stock_crc),
         ("write_batch_ms", lambda b: monitor.write_batch(ours, b), fast_crc),
     )
-    out: dict = {"tags_per_step": None, **{k: [] for k, _, _ in sides}}
+    out: dict = {
+        "tags_per_step": None,
+        "event_bytes": len(event),
+        "crc_us_best": crc_us,
+        **{k: [] for k, _, _ in sides},
+    }
     for rep in range(reps):
         batches = _events(steps, rep * steps)
         out["tags_per_step"] = sum(len(b) for b in batches) / steps
