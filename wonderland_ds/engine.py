@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import async_ckpt, faults, health, manifest
+from . import async_ckpt, faults, health, manifest, startup
 from . import checkpoint as ck
 from . import distributed as dist
 from .data import GlobalSampler, LoaderState, Prefetcher
@@ -560,6 +560,9 @@ def fit(
     rows: list[dict[str, Any]] = []
     pending: list[_Pending] = []  # steps trained since the last check
     last_loss: float | None = None
+    # The stage is set up: the collector, off while this rank started (train.py), is back on
+    # after one collection of what the start left (startup.py).
+    startup.release()
     t_start = time.perf_counter()
     wait_total = step_total = 0.0
     try:

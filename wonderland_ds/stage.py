@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, manifest, preflight, stages, tasks
+from . import faults, manifest, preflight, stages, startup, tasks
 from .checkpoint import atomic_write_text, export_hashes, import_hashes, stat_key
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
 from .findings import Finding, Refused, has_errors, render
@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     # A config refusal is the same on every rank: decide before starting the process group.
     _, _, settings = load_config(args.config, args.stage, None)
     dist.init(settings.process_group_timeout_s)
+    startup.freeze_imports()  # torch and DeepSpeed are in: out of the collector's sight
     world = dist.world_size()
     run_dir: Path = dist.broadcast(resolve_run_dir(args) if dist.is_main() else Path())
     decided: dict[str, Any] | None = None
@@ -252,9 +253,13 @@ def run(args: argparse.Namespace) -> int:
         elif st.kind == "eval":
             from .evaluate import run_eval
 
+            startup.release()  # an evaluation has no training loop to do it (train.py)
+
             result = run_eval(args, run_dir, decided, plan)
         else:
             from .export import run_export
+
+            startup.release()
 
             result = run_export(args, run_dir, decided, plan)
     except BaseException as exc:

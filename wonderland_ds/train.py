@@ -15,11 +15,15 @@ if __package__ in (None, ""):  # run as a script: import the package, not siblin
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
 
+from wonderland_ds import startup
 from wonderland_ds.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
 from wonderland_ds.stage_args import add_stage_flags
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch and DeepSpeed are imported: the collector's full scans of the start's
+    # long-lived objects cost 0.75-0.85 s a rank (startup.py); it is back on at the first step.
+    startup.hold()
     parser = argparse.ArgumentParser(prog="wonderland_ds/train.py", description=__doc__)
     add_stage_flags(parser)
     parser.add_argument(
@@ -46,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             render(exc.findings, False, sys.stderr)
         return EXIT_GUARD
     finally:
+        startup.release(collect=False)  # a stage refused before its first step: on again
         dist.teardown(agreed)
 
 

@@ -1,0 +1,55 @@
+"""Python's cyclic garbage collector while a rank starts a stage.
+
+A rank's start imports torch, DeepSpeed and ``torch._dynamo`` (which ``deepspeed.initialize``
+pulls in), builds the engine and loads the checkpoint: some 430-450 thousand objects that
+live as long as the process, and about 10 thousand of cyclic garbage (functions, cells,
+tuples, import-time tracebacks; no tensor: counted with ``gc.DEBUG_SAVEALL`` on the 25.5M GPT
+resume). Left on, the collector scans the survivors again and again as they pile up, up to
+0.1-0.2 s a full collection here: 0.8-0.96 s of each rank's start in a plain DeepSpeed resume
+(measured with a ``gc.callbacks`` timer, BENCHMARKS.md section 5).
+
+* ``hold()``: the collector off, where a rank's process starts (``train.py``);
+* ``freeze_imports()``: once torch and DeepSpeed are imported and the process group is up,
+  everything alive so far is moved out of the collector's sight for good (``gc.freeze``:
+  modules, classes, functions, which live as long as the process anyway). Its few thousand
+  import-time garbage objects stay with it: no tensor has been created by then;
+* ``release()``: just before the stage's first training step (``engine.fit``) or its
+  evaluation, one collection of what the start created since, and the collector back on with
+  Python's thresholds. Reference counting frees everything else all along, so memory during
+  the start grows only by its own cyclic garbage, freed by that collection; and the full
+  collections during training no longer rescan the frozen imports.
+"""
+
+from __future__ import annotations
+
+import gc
+
+_held = False
+
+
+def hold() -> None:
+    """The collector off until ``release()``; a no-op where it is already off (the caller
+    turned it off and keeps it so)."""
+    global _held
+    if gc.isenabled():
+        gc.disable()
+        _held = True
+
+
+def freeze_imports() -> None:
+    """Everything tracked so far to the permanent generation, where ``hold()`` is in force."""
+    if _held:
+        gc.freeze()
+
+
+def release(collect: bool = True) -> int:
+    """One collection of the start's cyclic garbage (unless ``collect`` is False: a process
+    on its way out), and the collector back on, where ``hold()`` turned it off; returns the
+    objects collected (0 when nothing was held)."""
+    global _held
+    if not _held:
+        return 0
+    _held = False
+    found = gc.collect() if collect else 0
+    gc.enable()
+    return found
