@@ -12,6 +12,12 @@ since the command started, and these milestones are read from it:
 * DeepSpeed: ``spawned``, ``imported`` (torch, DeepSpeed and the model built), ``loaded``
   (initialize and load_checkpoint), ``first_step``.
 
+Each process of either side also times Python's garbage collector (a ``gc.callbacks`` timer
+installed by a ``sitecustomize`` module put on PYTHONPATH for both sides alike): ``gc_s`` is
+the seconds each process spent collecting before the first step ended, by role (``front``:
+wonderland's command, ``runner``: DeepSpeed's ``deepspeed`` runner, ``launcher``: its
+per-node ``deepspeed.launcher.launch``, ``rank0``, ``rank1``).
+
 Sides alternate; one repetition of each is a timeline, not a benchmark of the total (that is
 bench_resume.py).
 """
@@ -33,8 +39,49 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_resume import BIN, config, env, first_step_wall  # noqa: E402
 
+#: Installed as ``sitecustomize`` for both sides: every collection's end (wall clock) and
+#: duration, one line each, to GCLOG_DIR/<pid>.log, whose first line names the process.
+GC_TIMER = """
+import gc, os, sys, time
+_dir = os.environ.get("GCLOG_DIR")
+if _dir:
+    _fd = os.open(f"{_dir}/{os.getpid()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    _argv0 = (getattr(sys, "argv", None) or [""])[0]
+    os.write(_fd, f"{os.environ.get('RANK', '-')} {_argv0}\\n".encode())
+    _t = [0.0]
+    def _timer(phase, info):
+        if phase == "start":
+            _t[0] = time.perf_counter()
+        else:
+            os.write(_fd, f"{time.time():.4f} {time.perf_counter() - _t[0]:.6f}\\n".encode())
+    gc.callbacks.append(_timer)
+"""
 
-def stamped(cmd: list[str], log: Path, marks: dict[str, str]) -> tuple[float, dict[str, float]]:
+
+def gc_seconds(folder: Path, until: float) -> dict[str, float]:
+    """Seconds each process spent collecting before ``until`` (wall clock), by role."""
+    out: dict[str, float] = {}
+    for log in sorted(folder.glob("*.log")):
+        head, *lines = log.read_text().splitlines()
+        rank, _, argv0 = head.partition(" ")
+        if rank != "-" and argv0.endswith((".py",)) and "launcher" not in argv0:
+            role = f"rank{rank}"
+        elif argv0 == "-m" or argv0.endswith("launch.py"):  # python -m deepspeed.launcher.launch
+            role = "launcher"
+        elif argv0 == "-c" or argv0.endswith("/deepspeed"):
+            role = "runner"
+        elif argv0.endswith("/wonderland"):
+            role = "front"
+        else:
+            continue  # the benchmark's own helpers (none expected)
+        spent = sum(float(d) for w, d in (x.split() for x in lines) if float(w) <= until)
+        out[role] = round(out.get(role, 0.0) + spent, 3)
+    return out
+
+
+def stamped(
+    cmd: list[str], log: Path, marks: dict[str, str], extra_env: dict[str, str] | None = None
+) -> tuple[float, dict[str, float]]:
     """Run ``cmd``; the first time a line contains a mark's text, that mark gets the line's
     time since the start. ``PHASE name wall`` lines give ``name`` their own wall clock."""
     got: dict[str, float] = {}
@@ -42,7 +89,7 @@ def stamped(cmd: list[str], log: Path, marks: dict[str, str]) -> tuple[float, di
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=dict(env(), PYTHONUNBUFFERED="1"),
+        env=dict(env(), PYTHONUNBUFFERED="1", **(extra_env or {})),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -84,7 +131,16 @@ def main() -> None:
             capture_output=True,
         )
         tag = (src / "stage15" / "checkpoints" / "latest").read_text().strip()
-        out: dict[str, list[dict[str, float]]] = {"wonderland": [], "deepspeed": []}
+        site = work / "gcsite"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(GC_TIMER)
+
+        def gc_env(name: str) -> dict[str, str]:
+            folder = work / f"gc-{name}"
+            folder.mkdir()
+            return {"GCLOG_DIR": str(folder), "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+
+        out: dict[str, list[dict]] = {"wonderland": [], "deepspeed": []}
         for rep in range(args.reps):
             run_dir = work / "wl"
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -99,9 +155,11 @@ def main() -> None:
                 "resumed": "stage 16: resumed",
                 "start_check_done": "all-reduce verification",
             }
-            t0, got = stamped(cmd, work / f"wl{rep}.log", marks)
+            t0, got = stamped(cmd, work / f"wl{rep}.log", marks, gc_env(f"wl{rep}"))
             got["first_step"] = first_step_wall(run_dir, 16) - t0
-            out["wonderland"].append({k: round(v, 2) for k, v in got.items()})
+            row: dict = {k: round(v, 2) for k, v in got.items()}
+            row["gc_s"] = gc_seconds(work / f"gc-wl{rep}", t0 + got["first_step"])
+            out["wonderland"].append(row)
 
             fresh = work / "ds" / tag
             shutil.rmtree(fresh.parent, ignore_errors=True)
@@ -113,9 +171,13 @@ def main() -> None:
             cmd += ["--master_addr", "127.0.0.1", "--master_port", port, "bench/ds_resume.py"]
             cmd += ["--config", str(cfg), "--load-dir", str(fresh.parent), "--tag", tag]
             cmd += ["--out", str(done)]
-            t0, got = stamped(cmd, work / f"ds{rep}.log", {"spawned": "spawned with command"})
+            t0, got = stamped(
+                cmd, work / f"ds{rep}.log", {"spawned": "spawned with command"}, gc_env(f"ds{rep}")
+            )
             got["first_step"] = json.loads(done.read_text())["first_step_end"] - t0
-            out["deepspeed"].append({k: round(v, 2) for k, v in got.items()})
+            row = {k: round(v, 2) for k, v in got.items()}
+            row["gc_s"] = gc_seconds(work / f"gc-ds{rep}", t0 + got["first_step"])
+            out["deepspeed"].append(row)
             from wonderland_ds.distributed import shm_buffers
 
             for path in shm_buffers(port):  # plain DeepSpeed leaves its /dev/shm buffers behind
