@@ -217,9 +217,14 @@ def main() -> None:
                 summary[name]["conversion_vs_disk"] = need / statistics.median(conv)
         for kind in ("same", "changed"):
             w, d = summary[f"wonderland_{kind}"], summary[f"deepspeed_{kind}"]
+            pairs = zip(sides[f"wonderland_{kind}"], sides[f"deepspeed_{kind}"])
             summary[f"ratio_{kind}"] = {
                 "min": w["min_s"] / d["min_s"],
                 "median": w["median_s"] / d["median_s"],
+                # each repetition's wonderland run over the DeepSpeed run right after it
+                "paired_median": statistics.median(
+                    a["launch_to_first_step_s"] / b["launch_to_first_step_s"] for a, b in pairs
+                ),
             }
         result["summary"] = summary
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -22,7 +22,7 @@ from wonderland_ds.stage_args import add_stage_flags
 
 def main(argv: list[str] | None = None) -> int:
     # Before torch and DeepSpeed are imported: the collector's full scans of the start's
-    # long-lived objects cost 0.75-0.85 s a rank (startup.py); it is back on at the first step.
+    # long-lived objects cost 0.81-0.87 s a rank (startup.py); it is back on at the first step.
     startup.hold()
     parser = argparse.ArgumentParser(prog="wonderland_ds/train.py", description=__doc__)
     add_stage_flags(parser)
