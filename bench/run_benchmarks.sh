@@ -16,6 +16,8 @@ launch() {  # NPROC OUT ARGS...
 # 1. step time, wonderland (guards on) vs a plain DeepSpeed loop vs guards off, ZeRO 1/2/3
 for z in 1 2 3; do launch 2 "steps_digits_z$z" --task digits --zero "$z" --steps 400 --reps 5; done
 launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 40 --reps 6
+# 1c. digits in shorter runs, 20 pairs each: a steal burst spoils one pair, not one of five
+for z in 1 2 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland; done
 # 1b. pieces of the loop apart: metrics writing (DeepSpeed's vs batched), guard hooks
 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out "$out/parts.json"
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks
