@@ -109,10 +109,10 @@ def write_env_file(run_dir: Path, env: dict[str, str]) -> tuple[Path, list[str]]
 
 
 #: DeepSpeed's ``deepspeed`` console script, started before the front process has finished its
-#: checks: it imports DeepSpeed (torch included, 1.7-2.5 s here, with the garbage collector off:
-#: its full collections were 0.24 s of that) while the front verifies the checkpoint, then waits for one line on the file descriptor it is given. "go" runs the
-#: runner exactly as the script would; anything else (the front refused, or died) exits
-#: having launched nothing.
+#: checks: it imports DeepSpeed (torch included, 1.7-2.5 s here; with the garbage collector off,
+#: whose full collections were 0.23-0.29 s of that) while the front verifies the checkpoint,
+#: then waits for one line on the file descriptor it is given. "go" runs the runner exactly as
+#: the script would; anything else (the front refused, or died) exits having launched nothing.
 _PRELOAD = """
 import gc, os, sys
 gc.disable()  # no full collections over the import's survivors (wonderland_ds/startup.py)

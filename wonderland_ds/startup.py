@@ -11,8 +11,9 @@ resume). Left on, the collector scans the survivors again and again as they pile
 * ``hold()``: the collector off, where a rank's process starts (``train.py``);
 * ``freeze_imports()``: once torch and DeepSpeed are imported and the process group is up,
   everything alive so far is moved out of the collector's sight for good (``gc.freeze``:
-  modules, classes, functions, which live as long as the process anyway). Its few thousand
-  import-time garbage objects stay with it: no tensor has been created by then;
+  modules, classes, functions, which live as long as the process anyway). The imports'
+  own cyclic garbage stays with it for the life of the process: about 7 thousand objects,
+  0.7 MB, no tensor (a one-off count after importing DeepSpeed and torch);
 * ``release()``: just before the stage's first training step (``engine.fit``) or its
   evaluation, one collection of what the start created since, and the collector back on with
   Python's thresholds. Reference counting frees everything else all along, so memory during
