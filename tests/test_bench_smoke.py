@@ -99,3 +99,30 @@ def test_parts_bench_one_tiny_repetition(tmp_path):
     assert h["hooked_grads_per_step"] == 16
     assert len(h["plain_ms"]) == len(h["hooked_ms"]) == len(h["hooked_fp32_ms"]) == 1
     assert min(h["plain_ms"] + h["hooked_ms"] + h["hooked_fp32_ms"]) > 0
+
+
+def test_resume_timeline_gc_timer_counts_collections_by_role_up_to_the_first_step(tmp_path):
+    """The collector timer resume_timeline.py installs (as sitecustomize) in a process named
+    like a rank: its collections are counted for that rank, and none after the cut-off."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from resume_timeline import GC_TIMER, gc_seconds
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    site, logs = tmp_path / "site", tmp_path / "logs"
+    site.mkdir()
+    logs.mkdir()
+    (site / "sitecustomize.py").write_text(GC_TIMER)
+    script = tmp_path / "train.py"  # a rank runs a .py script with RANK set
+    # 300 thousand tracked lists: each forced full collection takes milliseconds to scan them
+    script.write_text(
+        "import gc\nkeep = [[i] for i in range(300000)]\nfor _ in range(3):\n    gc.collect()\n"
+    )
+    env = dict(ENV, PYTHONPATH=str(site), GCLOG_DIR=str(logs), RANK="1")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    log = next(logs.glob("*.log")).read_text().splitlines()
+    assert log[0] == f"1 {script}" and len(log) >= 4  # the three forced collections at least
+    spent = gc_seconds(logs, until=float("inf"))
+    assert set(spent) == {"rank1"} and spent["rank1"] > 0
+    assert gc_seconds(logs, until=0.0) == {"rank1": 0.0}
