@@ -64,7 +64,7 @@ def gc_seconds(folder: Path, until: float) -> dict[str, float]:
     for log in sorted(folder.glob("*.log")):
         head, *lines = log.read_text().splitlines()
         rank, _, argv0 = head.partition(" ")
-        if rank != "-" and argv0.endswith((".py",)) and "launcher" not in argv0:
+        if rank != "-" and argv0.endswith(".py") and "launcher" not in argv0:
             role = f"rank{rank}"
         elif argv0 == "-m" or argv0.endswith("launch.py"):  # python -m deepspeed.launcher.launch
             role = "launcher"

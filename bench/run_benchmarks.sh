@@ -16,16 +16,18 @@ launch() {  # NPROC OUT ARGS...
 # 1. step time, wonderland (guards on) vs a plain DeepSpeed loop vs guards off, ZeRO 1/2/3
 for z in 1 2 3; do launch 2 "steps_digits_z$z" --task digits --zero "$z" --steps 400 --reps 5; done
 launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 40 --reps 6
-# 1c. digits in shorter runs, 20 pairs each: a steal burst spoils one pair, not one of five
-for z in 1 2 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland; done
 # 1b. pieces of the loop apart: metrics writing (DeepSpeed's vs batched), guard hooks
 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out "$out/parts.json"
+# 1c. digits in shorter runs, 20 pairs each: a steal burst spoils one pair, not one of five;
+#     then ZeRO-1 with guards off too (20 triples)
+for z in 1 2 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland; done
+launch 2 steps_digits_20x_z1_off --task digits --zero 1 --steps 100 --reps 20 --sides wonderland,guards-off
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks
 launch 2 save_pylm_25m --task pylm --dim 512 --layers 8 --micro 2 --gas 1 --zero 2 --skip-steps --save 8
 # 3. resume: launch to first step, same and changed topology, against plain DeepSpeed
-.venv/bin/python bench/bench_resume.py --reps 5 --out "$out/resume.json"
+.venv/bin/python bench/bench_resume.py --reps 6 --out "$out/resume.json"
 # 3c. where a same-topology resume spends its time, phase by phase, both sides
-.venv/bin/python bench/resume_timeline.py --reps 2 --out "$out/timeline.json"
+.venv/bin/python bench/resume_timeline.py --reps 3 --out "$out/timeline.json"
 # 3b. universal conversion alone: stock ds_to_universal vs wonderland's, in one process
 .venv/bin/python bench/bench_convert.py --reps 5 --out "$out/convert.json"
 # 4. scaling with model size and rank count, and its plot (bench/scaling.png)
