@@ -106,3 +106,43 @@ print(rc, seen["torch_at_hold"], seen["on_during"], gc.isenabled())
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "False", "False", "True"]
+
+
+def test_collecting_turns_a_held_collector_on_for_the_block_only(collector):
+    with startup.collecting():  # not held: nothing changes
+        assert gc.isenabled()
+    assert gc.isenabled()
+    startup.hold()
+    with startup.collecting():
+        assert gc.isenabled()
+    assert not gc.isenabled()
+    with pytest.raises(RuntimeError), startup.collecting():
+        raise RuntimeError("a task failed")
+    assert not gc.isenabled()  # held again after an error too
+
+
+def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
+    collector, tmp_path, monkeypatch
+):
+    """User code (a task's materialize) may make cyclic garbage in bulk: a rank that holds the
+    collector through its start runs it with the collector on."""
+    import argparse
+
+    from wonderland_ds import stage, tasks
+    from wonderland_ds.settings import WonderlandSettings
+
+    seen: list[bool] = []
+
+    class Task:
+        name = "probe"
+
+        def materialize(self):
+            seen.append(gc.isenabled())
+            return self
+
+    monkeypatch.setattr(tasks, "load", lambda spec: Task())
+    startup.hold()
+    args = argparse.Namespace(task="anything")
+    got, _ = stage._task_data(args, WonderlandSettings(), tmp_path, check_stale=True)
+    assert isinstance(got, Task) and seen == [True]
+    assert not gc.isenabled()  # and held again for the rest of the start

@@ -111,7 +111,7 @@ def _task_data(
             and opened.source_key_value is not None
             and task.source_key() == opened.source_key_value
         )
-        if check_stale and not same_source and task.materialize().fingerprint != opened.fingerprint:
+        if check_stale and not same_source and _materialize(task).fingerprint != opened.fingerprint:
             raise Refused(
                 Finding(
                     "cache-stale",
@@ -124,7 +124,14 @@ def _task_data(
         if check_stale:
             _FRESH_CACHES.add(key)
         return opened, cache_dir
-    return task.materialize(), cache_dir
+    return _materialize(task), cache_dir
+
+
+def _materialize(task: tasks.Task) -> tasks.Task:
+    # The task's own code, on a rank whose collector is held through the start (startup.py):
+    # whatever cyclic garbage it makes is collected as Python normally would.
+    with startup.collecting():
+        return task.materialize()
 
 
 def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str, Any]:

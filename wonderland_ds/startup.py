@@ -14,6 +14,8 @@ resume). Left on, the collector scans the survivors again and again as they pile
   modules, classes, functions, which live as long as the process anyway). The imports'
   own cyclic garbage stays with it for the life of the process: about 7 thousand objects,
   0.7 MB, no tensor (a one-off count after importing DeepSpeed and torch);
+* ``collecting()``: the collector on again for a stretch of the start that runs the user's
+  code (a task building its data), which may make cyclic garbage in bulk;
 * ``release()``: just before the stage's first training step (``engine.fit``) or its
   evaluation, one collection of what the start created since, and the collector back on with
   Python's thresholds. Reference counting frees everything else all along, so memory during
@@ -23,7 +25,9 @@ resume). Left on, the collector scans the survivors again and again as they pile
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 _held = False
 
@@ -41,6 +45,20 @@ def freeze_imports() -> None:
     """Everything tracked so far to the permanent generation, where ``hold()`` is in force."""
     if _held:
         gc.freeze()
+
+
+@contextlib.contextmanager
+def collecting() -> Iterator[None]:
+    """The collector on inside the block where ``hold()`` is in force (and off again after):
+    the start's own objects are known, a task's data building is not."""
+    if not _held:
+        yield
+        return
+    gc.enable()
+    try:
+        yield
+    finally:
+        gc.disable()
 
 
 def release(collect: bool = True) -> int:
