@@ -104,6 +104,22 @@ def block_quantile(times: list[float], block: int = 10, q: float = 0.25) -> floa
     return statistics.quantiles(means, n=100, method="inclusive")[int(q * 100) - 1]
 
 
+def ratios_to_raw(sides: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Each side against the raw loop, measured in the same processes: min over min, median
+    over median, and the median of each repetition's own ratio (its run over the raw run just
+    before it: slow drifts of the machine cancel)."""
+    raw = sides["raw"]
+    return {
+        k: {
+            "min": round(min(v) / min(raw), 3),
+            "median": round(statistics.median(v) / statistics.median(raw), 3),
+            "paired_median": round(statistics.median(a / b for a, b in zip(v, raw)), 3),
+        }
+        for k, v in sides.items()
+        if k != "raw"
+    }
+
+
 def raw_loop(task, config: dict, steps: int) -> list[float]:
     """What a team writes by hand: data indexed from memory, no checks."""
     torch.manual_seed(0)
@@ -375,44 +391,14 @@ def main() -> None:
         # Each run's mean step time (first 5 steps dropped), not its median: the guards' check
         # comes every guards.check_interval steps, and a median would not see it.
         result["mean_step_s"] = sides
-        # Against the raw loop, measured in the same processes: min over min, median over
-        # median, and the median of each repetition's own ratio (its run over the raw run just
-        # before it: slow drifts of the machine cancel).
-        raw = sides["raw"]
-        result["ratio_to_raw"] = {
-            k: {
-                "min": round(min(v) / min(raw), 3),
-                "median": round(statistics.median(v) / statistics.median(raw), 3),
-                "paired_median": round(statistics.median(a / b for a, b in zip(v, raw)), 3),
-            }
-            for k, v in sides.items()
-            if k != "raw"
-        }
+        result["ratio_to_raw"] = ratios_to_raw(sides)
         # The same for the fast blocks' step time (block_quantile): the estimator least moved
         # by the VM's steal bursts.
         result["block_q25_step_s"] = blocks
-        result["block_ratio_to_raw"] = {
-            k: {
-                "min": round(min(v) / min(blocks["raw"]), 3),
-                "median": round(statistics.median(v) / statistics.median(blocks["raw"]), 3),
-                "paired_median": round(
-                    statistics.median(a / b for a, b in zip(v, blocks["raw"])), 3
-                ),
-            }
-            for k, v in blocks.items()
-            if k != "raw"
-        }
+        result["block_ratio_to_raw"] = ratios_to_raw(blocks)
         # The same for CPU time per step (all ranks, all threads): the work each side does.
         result["cpu_step_s"] = cpu
-        result["cpu_ratio_to_raw"] = {
-            k: {
-                "min": round(min(v) / min(cpu["raw"]), 3),
-                "median": round(statistics.median(v) / statistics.median(cpu["raw"]), 3),
-                "paired_median": round(statistics.median(a / b for a, b in zip(v, cpu["raw"])), 3),
-            }
-            for k, v in cpu.items()
-            if k != "raw"
-        }
+        result["cpu_ratio_to_raw"] = ratios_to_raw(cpu)
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)

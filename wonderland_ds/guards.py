@@ -95,8 +95,8 @@ class StepGuards:
         # and read on the host once per check. The reduction accumulates in fp32 whatever the
         # gradient's dtype; a bf16 gradient's norm is returned in bf16 (8 significant bits,
         # 0.4% at most, far inside grad_drop_ratio), which costs a third of asking for an fp32
-        # result (2.0-3.4 against 4.1-5.2 us a gradient on digits' shapes, bench/bench_parts.py). fp16 asks for fp32: a
-        # loss-scaled norm can pass fp16's 65504.
+        # result (2.0-3.4 against 4.1-5.2 us a gradient on digits' shapes,
+        # bench/bench_parts.py). fp16 asks for fp32: a loss-scaled norm can pass fp16's 65504.
         self.norms.append(torch.linalg.vector_norm(grad, dtype=self._norm_dtype.get(grad.dtype)))
         return grad
 
