@@ -151,13 +151,12 @@ def raw_loop(task, config: dict, steps: int) -> list[float]:
 
 
 def wonderland_loop(
-    task, config: dict, steps: int, guards: bool, run_dir: Path, check_interval: int | None = None
+    task, config: dict, steps: int, guards: bool, run_dir: Path, **guard_settings
 ) -> list[float]:
     # Default settings (progress line, metrics sink, guards) except that no checkpoint is
     # saved inside the timed window (saves are benchmarked on their own, --save).
-    g = Guards(enabled=guards)
-    if check_interval is not None:
-        g = Guards(enabled=guards, check_interval=check_interval)
+    # guard_settings: guards.* fields changed from their defaults (another side).
+    g = Guards(enabled=guards, **guard_settings)
     settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g)
     from wonderland_ds.ds_config import DSConfig
 
@@ -299,7 +298,7 @@ def main() -> None:
     ap.add_argument("--skip-steps", action="store_true")
     ap.add_argument(
         "--sides",
-        default="raw,wonderland,guards-off,check-every-step",
+        default="raw,wonderland,guards-off,check-every-step,check-blocking",
         help="step-time sides to run (raw is always run: the ratios are to it)",
     )
     ap.add_argument(
@@ -363,6 +362,7 @@ def main() -> None:
             "wonderland": [],
             "guards-off": [],
             "check-every-step": [],
+            "check-blocking": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
@@ -377,7 +377,13 @@ def main() -> None:
             # guards.check_interval 1: the guards' all-reduce every step (the default checks
             # every 10 steps), to show what that collective costs.
             "check-every-step": lambda rep: wonderland_loop(
-                task, config, args.steps, True, folder / f"c1{rep}", 1
+                task, config, args.steps, True, folder / f"c1{rep}", check_interval=1
+            ),
+            # guards.overlap_check false: the loop waits for each check's all-reduce at once
+            # instead of overlapping it with the next step (the default), to show what the
+            # overlap saves.
+            "check-blocking": lambda rep: wonderland_loop(
+                task, config, args.steps, True, folder / f"cb{rep}", overlap_check=False
             ),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}

@@ -51,7 +51,7 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     res = json.loads(out.read_text())
     assert res["world"] == 2
-    for side in ("raw", "wonderland", "guards-off", "check-every-step"):
+    for side in ("raw", "wonderland", "guards-off", "check-every-step", "check-blocking"):
         (t,) = res["mean_step_s"][side]
         assert 0 < t < 5, (side, t)
         (b,) = res["block_q25_step_s"][side]

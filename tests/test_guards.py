@@ -111,17 +111,63 @@ def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
     assert not list((run16 / "stage16" / "checkpoints").glob("global_step*"))
     assert (run16 / "stage15" / "checkpoints" / "latest").read_text() == "global_step40"
     report = json.loads((run16 / "stage16" / "guard_report.json").read_text())
-    assert report["stopped_at_step"] == 45
+    # Judged by step 50's check, which a save waits for (never overlapped): nothing past it.
+    assert report["stopped_at_step"] == 45 and report["trained_to_step"] == 50
     manifest = json.loads((run16 / "run.json").read_text())
     assert manifest["stages"]["16"]["status"] == "guard-stopped"
 
 
+def test_overlapped_check_stops_one_step_later_and_writes_only_judged_steps(run16, tmp_path):
+    """guards.overlap_check (the default): step 45's check (not a save's) runs its all-reduce
+    while step 46 trains, and its verdict comes when step 46 ends. The fault at step 43 stops
+    the run there: step 46 trained (the overlap really happened) and is discarded; the
+    metrics hold only the steps judged fine; nothing was saved."""
+    cfg = json.loads((REPO / "tests" / "configs" / "tiny_zero2_fp32.json").read_text())
+    cfg["wonderland"].setdefault("guards", {})["check_interval"] = 5
+    path = tmp_path / "check5.json"
+    path.write_text(json.dumps(cfg))
+    r = wonderland(
+        "train",
+        "--stage",
+        "16",
+        "--config",
+        str(path),
+        "--run-dir",
+        str(run16),
+        "--resume",
+        "auto",
+        "--steps",
+        "20",
+        "--fault",
+        "drop@grad:rank=1:step=43",
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out[-3000:]
+    assert "FAULT INJECTED: drop at grad step 43 rank 1" in out and "Traceback" not in out
+    report = json.loads((run16 / "stage16" / "guard_report.json").read_text())
+    assert report["stopped_at_step"] == 43 and report["trained_to_step"] == 46
+    drop = first(report["events"], "grad-drop")
+    assert drop["step"] == 43 and drop["rank"] == 1
+    import csv
+
+    with open(run16 / "stage16" / "metrics.csv") as fh:
+        assert [int(row["step"]) for row in csv.DictReader(fh)] == [41, 42]
+    assert not list((run16 / "stage16" / "checkpoints").glob("global_step*"))
+
+
 @pytest.mark.nightly
-@pytest.mark.parametrize("check_interval", [1, 10])
-def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path, check_interval):
+@pytest.mark.parametrize("check_interval,overlap", [(1, False), (1, True), (10, True)])
+def test_rollback_policy_reloads_and_skips_the_bad_batches(
+    run16, tmp_path, check_interval, overlap
+):
     cfg = json.loads(Path(GUARDS_WARN).read_text())
     cfg["wonderland"]["guards"].update(
-        {"spike_policy": "rollback", "allreduce_check": False, "check_interval": check_interval}
+        {
+            "spike_policy": "rollback",
+            "allreduce_check": False,
+            "check_interval": check_interval,
+            "overlap_check": overlap,
+        }
     )
     path = tmp_path / "rollback.json"
     path.write_text(json.dumps(cfg))
@@ -151,9 +197,10 @@ def test_rollback_policy_reloads_and_skips_the_bad_batches(run16, tmp_path, chec
     )
     # 40 steps of 128 samples after stage 15's 1920, plus the skipped batches: those of the
     # steps from the checkpoint to the check that judged step 55 (51..55 when every step is
-    # checked, 51..60 when the check comes every 10 steps: the steps after 55 were trained
-    # on the spiked weights and are rolled back with it).
-    skipped = 55 - 50 if check_interval == 1 else 60 - 50
+    # checked at once, 51..56 when step 55's check overlaps step 56, 51..60 when the check
+    # comes every 10 steps, step 60's being a save's, which never overlaps: the steps after 55
+    # were trained on the spiked weights and are rolled back with it).
+    skipped = {(1, False): 5, (1, True): 6, (10, True): 10}[(check_interval, overlap)]
     assert meta["data"]["samples_consumed"] == 1920 + (40 + skipped) * 128
     import csv
 

@@ -196,6 +196,20 @@ def all_reduce_sum(tensor: Any) -> Any:
     return tensor
 
 
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce_sum_start(tensor: Any) -> Any:
+    """Start an in-place sum across ranks and return at once; the sum is in ``tensor`` after
+    the returned handle's ``wait()`` (a no-op handle on one process). Every rank must start
+    the same collectives in the same order, as for the blocking form."""
+    if active():
+        return dist.all_reduce(tensor, async_op=True)
+    return _Done()
+
+
 def send(tensor: Any, dst: int) -> None:
     dist.send(tensor, dst)
 

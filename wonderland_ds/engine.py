@@ -429,12 +429,16 @@ def start_check(run: StageRun, guards: StepGuards, verify: bool) -> None:
         )
 
 
-def _stop(run: StageRun, guards: StepGuards, events: list[Event]) -> GuardStop:
+def _stop(run: StageRun, engine: Any, guards: StepGuards, events: list[Event]) -> GuardStop:
     if dist.is_main():
-        dump_json(
-            run.stage_dir / "guard_report.json",
-            {"stopped_at_step": guards.step, "events": [e.to_dict() for e in guards.events]},
-        )
+        report = {
+            "stopped_at_step": guards.step,
+            # The last step trained: later than stopped_at_step when the check that judged it
+            # came later (check_interval) or overlapped the next step (overlap_check).
+            "trained_to_step": int(engine.global_steps),
+            "events": [e.to_dict() for e in guards.events],
+        }
+        dump_json(run.stage_dir / "guard_report.json", report)
     return GuardStop(
         [
             Finding(
@@ -493,6 +497,106 @@ def _check_matrix(pending: list[_Pending], rank: int) -> tuple[torch.Tensor, lis
     )
     norms = [read.get(i, p.grad_norm) for i, p in enumerate(pending)]
     return mat, [None if g is None else float(g) for g in norms]
+
+
+@dataclass
+class _Check:
+    """One check under way: its steps, their matrix (summed in place by the all-reduce), the
+    all-reduce's handle and the seconds the loop spent starting it."""
+
+    pending: list[_Pending]
+    mat: torch.Tensor
+    grad_norms: list[float | None]
+    work: Any
+    held_s: float
+
+
+class _Checks:
+    """The guards' checks of one ``fit``: each starts one all-reduce of the rows of the steps
+    since the last check, and is settled (waited for, then every step judged in order) either
+    at once or after the next step trained (``guards.overlap_check``). Settled steps become
+    metrics rows, the progress line and the metrics sink's events.
+
+    Why overlap: the all-reduce itself is a few dozen bytes, but a blocking gloo collective on
+    a busy host costs a hand-off to gloo's thread and a wake-up on every rank (0.3 ms median,
+    1.3 ms mean for a 720-byte tensor between two ranks on this project's 2-core machine,
+    1.5-2.5 ms inside the digits loop; BENCHMARKS.md section 2). Started before the next step
+    and waited for after it, that latency hides behind the step's compute."""
+
+    def __init__(
+        self,
+        run: StageRun,
+        guards: StepGuards,
+        module: torch.nn.Module,
+        gas: int,
+        display: ProgressDisplay | None,
+        sink: MetricsSink | None,
+    ) -> None:
+        self.run, self.guards, self.module = run, guards, module
+        self.rank, self.world, self.gas = dist.rank(), dist.world_size(), gas
+        self.display, self.sink = display, sink
+        self.rows: list[dict[str, Any]] = []
+        self.last_loss: float | None = None
+        self.step_total = self.wait_total = 0.0
+
+    def start(self, pending: list[_Pending]) -> _Check:
+        t0 = time.perf_counter()
+        mat, grad_norms = _check_matrix(pending, self.rank)
+        work = dist.all_reduce_sum_start(mat)
+        return _Check(pending, mat, grad_norms, work, time.perf_counter() - t0)
+
+    def settle(self, check: _Check) -> tuple[str, list[Event], bool]:
+        """Wait for the check's all-reduce and judge its steps in order, up to the first that
+        stops or rolls back. Returns (verdict, that step's events, whether every rank's
+        checkpoint writer was idle at the check's last step)."""
+        t0 = time.perf_counter()
+        check.work.wait()
+        summed = check.mat.tolist()
+        guards, world, last = self.guards, self.world, len(check.pending) - 1
+        verdict, events = "ok", []  # "warn" is logged and training goes on
+        for i, (p, v, gn) in enumerate(zip(check.pending, summed, check.grad_norms)):
+            guards.step = p.step
+            self.last_loss = float(v[0]) / (self.gas * world)
+            events = guards.judge(v, self.last_loss, p.lr, self.module, p.skipped, p.scale)
+            verdict = guards.decision(events)
+            if verdict in ("stop", "rollback"):
+                break
+            # The check's own time is charged to its last step, whenever it was paid.
+            step_s = p.step_s + (check.held_s + time.perf_counter() - t0 if i == last else 0)
+            self.step_total += step_s
+            self.wait_total += p.wait_s
+            self.rows.append(
+                {
+                    "step": p.step,
+                    "loss": f"{self.last_loss:.8g}",
+                    "lr": f"{p.lr:.8g}",
+                    "grad_norm": "" if gn is None else f"{gn:.6g}",
+                    "samples": p.samples,
+                    "sample_digest": int(v[1]),
+                    "step_s": f"{step_s:.5f}",
+                    "data_wait_s": f"{p.wait_s:.6f}",
+                    "wall": f"{p.wall:.6f}",
+                }
+            )
+            if self.display is not None and self.sink is not None:
+                self.display.step(self.rows[-1], loss_scale=p.scale)
+                window = guards.watchdog.losses[-self.run.settings.guards.spike_window :]
+                self.sink.write(
+                    self.rows[-1],
+                    loss_scale=p.scale,
+                    extra=guard_figures(
+                        [float(x) for x in v[2 : 2 + world]],
+                        loss_median=statistics.median(window) if window else None,
+                        skipped_steps=p.skipped,
+                        events=len(guards.events),
+                    ),
+                )
+        return verdict, events, summed[-1][-1] == 0.0
+
+    def take_rows(self) -> list[dict[str, Any]]:
+        """The settled rows not yet written to metrics.csv (and forget them)."""
+        rows, self.rows = self.rows, []
+        return rows
 
 
 def fit(
@@ -557,14 +661,13 @@ def fit(
             tokens_per_sample=tokens,
         )
     on_host = torch.device(engine.device).type == "cpu"  # batches are read into host memory
-    rows: list[dict[str, Any]] = []
+    checks = _Checks(run, guards, engine.module, gas, display, sink)
     pending: list[_Pending] = []  # steps trained since the last check
-    last_loss: float | None = None
+    overlapped: _Check | None = None  # a check whose all-reduce runs during this step
     # The stage is set up: the collector, off while this rank started (train.py), is back on
     # after one collection of what the start left (startup.py).
     startup.release()
     t_start = time.perf_counter()
-    wait_total = step_total = 0.0
     try:
         while int(engine.global_steps) < end:
             step = int(engine.global_steps)
@@ -619,64 +722,40 @@ def fit(
             )
             faults.maybe(run.fault, "step", done, rank)
             save_due = done % run.settings.save_interval == 0 or done >= end
-            if not save_due and done % run.settings.guards.check_interval != 0:
+            check_due = save_due or done % run.settings.guards.check_interval == 0
+            if overlapped is None and not check_due:
                 continue
-            # The check: one all-reduce for the steps since the last one, then each is
-            # judged in order. A save always checks first: no checkpoint holds an unjudged step.
-            t_check = time.perf_counter()
-            mat, grad_norms = _check_matrix(pending, rank)
-            dist.all_reduce_sum(mat)
-            summed = mat.tolist()
-            verdict, events = "ok", []  # "warn" is logged and training goes on
-            for i, (p, v, gn) in enumerate(zip(pending, summed, grad_norms)):
-                guards.step = p.step
-                last_loss = float(v[0]) / (gas * world)
-                events = guards.judge(v, last_loss, p.lr, engine.module, p.skipped, p.scale)
-                verdict = guards.decision(events)
-                if verdict in ("stop", "rollback"):
-                    break
-                step_s = p.step_s + (time.perf_counter() - t_check if i == len(pending) - 1 else 0)
-                step_total, wait_total = step_total + step_s, wait_total + p.wait_s
-                rows.append(
-                    {
-                        "step": p.step,
-                        "loss": f"{last_loss:.8g}",
-                        "lr": f"{p.lr:.8g}",
-                        "grad_norm": "" if gn is None else f"{gn:.6g}",
-                        "samples": p.samples,
-                        "sample_digest": int(v[1]),
-                        "step_s": f"{step_s:.5f}",
-                        "data_wait_s": f"{p.wait_s:.6f}",
-                        "wall": f"{p.wall:.6f}",
-                    }
-                )
-                if display is not None and sink is not None:
-                    display.step(rows[-1], loss_scale=p.scale)
-                    window = guards.watchdog.losses[-run.settings.guards.spike_window :]
-                    sink.write(
-                        rows[-1],
-                        loss_scale=p.scale,
-                        extra=guard_figures(
-                            [float(x) for x in v[2 : 2 + world]],
-                            loss_median=statistics.median(window) if window else None,
-                            skipped_steps=p.skipped,
-                            events=len(guards.events),
-                        ),
-                    )
-            settled = summed[-1][-1] == 0.0
-            pending = []
+            verdict, settled = "ok", False
+            events: list[Event] = []
+            if overlapped is not None:
+                # The last check's all-reduce ran while this step trained: its verdict now,
+                # before anything of this step is judged, saved or checked.
+                verdict, events, settled = checks.settle(overlapped)
+                overlapped = None
+            if check_due and verdict not in ("stop", "rollback"):
+                # One all-reduce for the steps since the last check, then each is judged in
+                # order. A save always waits for its check: no checkpoint holds an unjudged
+                # step.
+                check = checks.start(pending)
+                pending = []
+                if run.settings.guards.overlap_check and not save_due:
+                    overlapped = check
+                    continue
+                verdict, events, settled = checks.settle(check)
             if verdict == "stop":
                 if dist.is_main():
-                    write_metrics(run, rows, keep_upto=None)
+                    write_metrics(run, checks.take_rows(), keep_upto=None)
                 if display is not None:
                     display.close("stopped")
-                raise _stop(run, guards, events)
+                raise _stop(run, engine, guards, events)
             if verdict == "rollback":
-                # The steps after the offending one (up to this check) are not judged: they
-                # are rolled back with it, and their batches skipped with its.
+                # The steps after the offending one (up to this check, and the step the
+                # check overlapped) are not judged: they are rolled back with it, and their
+                # batches skipped with its.
+                rows = checks.take_rows()
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
-                rows = []
+                pending = []
                 loader.close()
                 finish_pending(run, writer)
                 back = rollback(run, engine, prog, guards, log)
@@ -687,10 +766,10 @@ def fit(
                 loader = loader_from(back)
                 continue
             if save_due:
+                rows = checks.take_rows()
                 if dist.is_main():
                     write_metrics(run, rows, keep_upto=None)
-                rows = []
-                tag_dir, held = save(run, engine, prog, last_loss, writer, settled)
+                tag_dir, held = save(run, engine, prog, checks.last_loss, writer, settled)
                 blocked.append(held)
                 if display is not None and sink is not None:
                     display.checkpoint(tag_dir, held, background=True)
@@ -713,15 +792,16 @@ def fit(
         if display is not None and sink is not None:
             display.close()
             sink.close()
+    rows = checks.take_rows()
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
     elapsed = time.perf_counter() - t_start
     return {
         "steps": int(engine.global_steps) - first,
-        "final_loss": last_loss,
+        "final_loss": checks.last_loss,
         "global_step": int(engine.global_steps),
         "seconds": round(elapsed, 3),
-        "data_stall_fraction": round(wait_total / max(step_total, 1e-9), 6),
+        "data_stall_fraction": round(checks.wait_total / max(checks.step_total, 1e-9), 6),
         "guard_events": guards.summary(),
         "save_blocked_s": [round(b, 4) for b in blocked],
         "rollbacks": guards.rollbacks,
@@ -736,6 +816,7 @@ def rollback(run: StageRun, engine: Any, prog: Progress, guards: StepGuards, log
     if newest is None or newest.meta is None:
         raise _stop(
             run,
+            engine,
             guards,
             [
                 Event(
@@ -755,6 +836,7 @@ def rollback(run: StageRun, engine: Any, prog: Progress, guards: StepGuards, log
     if path is None:
         raise _stop(
             run,
+            engine,
             guards,
             [Event("rollback", guards.step, "stop", f"DeepSpeed did not load {newest.tag_dir}")],
         )

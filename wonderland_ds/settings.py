@@ -43,8 +43,12 @@ class Guards(_Strict):
     """Steps between checks: the numbers of every step since the last check travel in one
     all-reduce, then each step is judged in order (events keep their own step). A save and the
     stage's last step always check first, so no checkpoint holds an unjudged step. 1: every step
-    (a decision at once, and one all-reduce a step: 2.5 ms of a 14 ms step on this project's CPU
-    machine)."""
+    (one all-reduce a step)."""
+    overlap_check: bool = True
+    """The check's all-reduce runs while the next step trains, and its verdict is taken when
+    that step ends: a stop or rollback comes one step later, and that step is discarded with
+    the offending one. A save and the stage's last step still wait for their check. False: wait
+    for every check's all-reduce at once (a decision in the step it checks)."""
     allreduce_check: bool | None = None
     """Verify the all-reduce at stage start; None: on for stage 16, off elsewhere."""
     slow_factor: float = Field(1.25, gt=1.0)
