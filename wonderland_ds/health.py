@@ -253,12 +253,15 @@ def verify_allreduce(
     # Two rounds; a rank counts as slow only if both say so (a busy host makes one noisy). The
     # 16 MB size makes a slow link stand out by more than slow_min_ms on a fast one.
     first = {e.rank for e in slow_ranks(0, send_times(plan, 0, START_SIZES), hosts, g)}
-    t1 = time.perf_counter()
     sends = send_times(plan, 0, START_SIZES)
-    # What the in-training probe (4 MB of the round's 20) will cost, from the second round's
-    # wall time (the slowest rank's: the same number on every rank, as probe placement needs).
-    # Places the first probe in training (guards.StepGuards.probe_hint_s).
-    probe_s = max(dist.gather_all(time.perf_counter() - t1)) * sum(PROBE_SIZES) / sum(START_SIZES)
+    # What the in-training probe will cost: that probe, run once and timed (the slowest rank's
+    # wall time: the same number on every rank, as probe placement needs). It places the first
+    # probe in training (guards.StepGuards.probe_hint_s). Scaling the round above by its bytes
+    # (4 MB of 20) missed the probe's fixed costs (barriers, the gather): 7-11 ms against the
+    # 16-25 ms the probe then took in training on digits, which placed it 2x too early.
+    t1 = time.perf_counter()
+    send_times(plan, 0, PROBE_SIZES)
+    probe_s = max(dist.gather_all(time.perf_counter() - t1))
     events = [
         Event(
             "allreduce-wrong",
