@@ -1,15 +1,17 @@
 """Per-rank benchmark: wonderland's stage loop against a plain DeepSpeed loop, side by side.
 
 Launched by DeepSpeed's own launcher so both sides run in the same processes, on the same
-model, data, config and process count, alternating repetitions (A B C A B C ...) so the
-machine's noise hits every side alike:
+model, data, config and process count, alternating repetitions with the order rotating
+(A B C, B C A, C A B, ...) so the machine's noise and a side's place hit every side alike:
 
     OMP_NUM_THREADS=1 deepspeed --num_gpus 2 --master_addr 127.0.0.1 --no_ssh_check \\
         bench/bench_engine.py --task digits --zero 2 --steps 200 --reps 3 --out R.json
 
 Sides: ``raw`` (a hand-written DeepSpeed loop: in-memory batches, forward/backward/step, the
 loss .item() a step as every real loop logs it), ``wonderland`` (engine.fit with the guards on,
-defaults, no saves inside the timed window) and ``guards-off``. With ``--save`` it also times
+defaults, no saves inside the timed window), ``guards-off``, ``check-every-step``,
+``check-blocking`` (guards.overlap_check false) and ``raw-again`` (raw once more: the noise
+floor of every ratio). With ``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
 (time the loop is blocked, and time until the checkpoint is complete), plus the disk's
 sequential write speed measured in the same run.
@@ -106,8 +108,8 @@ def block_quantile(times: list[float], block: int = 10, q: float = 0.25) -> floa
 
 def ratios_to_raw(sides: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     """Each side against the raw loop, measured in the same processes: min over min, median
-    over median, and the median of each repetition's own ratio (its run over the raw run just
-    before it: slow drifts of the machine cancel)."""
+    over median, and the median of each repetition's own ratio (its run over the raw run of the
+    same repetition: slow drifts of the machine cancel)."""
     raw = sides["raw"]
     return {
         k: {
@@ -363,11 +365,14 @@ def main() -> None:
             "guards-off": [],
             "check-every-step": [],
             "check-blocking": [],
+            "raw-again": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
         runs = {
             "raw": lambda rep: raw_loop(task, config, args.steps),
+            # The same raw loop a second time: its ratio to raw is the estimators' noise floor.
+            "raw-again": lambda rep: raw_loop(task, config, args.steps),
             "wonderland": lambda rep: wonderland_loop(
                 task, config, args.steps, True, folder / f"on{rep}"
             ),
@@ -388,8 +393,12 @@ def main() -> None:
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         blocks: dict[str, list[float]] = {k: [] for k in sides}
+        order = list(sides)
         for rep in range(args.reps):
-            for side in sides:  # alternating: raw, wonderland, guards-off, ... each repetition
+            # Every side once a repetition, the order rotating from one repetition to the
+            # next: no side always runs first, or right after raw.
+            k = rep % len(order)
+            for side in order[k:] + order[:k]:
                 times = runs[side](rep)[5:]
                 sides[side].append(statistics.fmean(times))
                 blocks[side].append(block_quantile(times))
