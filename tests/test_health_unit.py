@@ -266,3 +266,39 @@ def test_hook_norms_match_an_fp64_norm_and_fp16_does_not_overflow(dtype, tmp_pat
     if dtype == "bfloat16":
         assert [n.dtype for n in sg.norms] == [torch.bfloat16] * 2
     assert math.isfinite(got) and abs(got - want) <= 4e-3 * want, (got, want)
+
+
+def test_hooks_measure_the_last_micro_batch_and_a_drop_zeroes_every_one(tmp_path):
+    """guards.micro: only the step's last micro-batch is measured (one norm per gradient a
+    step, not one per micro-batch), while a drop fault still zeroes every micro-batch's
+    gradient, so the fault really reaches the reduction."""
+    import torch
+
+    from wonderland_ds import faults
+    from wonderland_ds.guards import StepGuards
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    xs = [torch.randn(8, 16) * (m + 1) for m in range(3)]  # three different micro-batches
+    sg = StepGuards(Guards(), faults.FaultPlan(), tmp_path, 2, False, 1.0)
+    sg.attach(model)
+    sg.begin(0)
+    for m, x in enumerate(xs):
+        sg.micro(m == len(xs) - 1)
+        model(x).square().mean().backward()
+    _, sq = sg.vector(model)
+    assert len(sg.norms) == 2  # weight and bias, once
+    last = torch.autograd.grad(model(xs[-1]).square().mean(), list(model.parameters()))
+    want = math.sqrt(sum(float(g.double().square().sum()) for g in last))
+    assert sq is not None and abs(math.sqrt(float(sq)) - want) <= 1e-5 * want
+    total = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+    assert total > 1.2 * want  # the accumulated gradient is not what was measured
+    model.zero_grad()
+    sg.begin(1)
+    sg.dropping = True
+    for m, x in enumerate(xs):
+        sg.micro(m == len(xs) - 1)
+        model(x).square().mean().backward()
+    sg.close()
+    assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())
+    assert [float(n) for n in sg.norms] == [0.0, 0.0]

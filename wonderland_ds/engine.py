@@ -683,6 +683,7 @@ def fit(
                     x, y = x.to(engine.device), y.to(engine.device)
                 loss = run.task.loss(engine(x), y)
                 loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
+                guards.micro(m == gas - 1)
                 engine.backward(loss)
                 if m == gas - 1 and blocked:
                     # The optimizer update changes what the last save's writer may still be
