@@ -121,12 +121,15 @@ def _probe_schedule(
 def test_adaptive_comm_probe_stays_within_its_budget():
     from wonderland_ds.settings import Guards
 
-    # Measured on this machine: a 28 ms probe, 15 ms digits steps.
-    due = _probe_schedule(Guards(), 0.015, 0.028, 2000)
+    # Measured on this machine: a 28 ms probe, 15 ms digits steps; a 1% budget.
+    due = _probe_schedule(Guards(comm_probe_budget=0.01), 0.015, 0.028, 2000)
     assert due[0] == 10
     gaps = {b - a for a, b in zip(due, due[1:])}
     assert gaps == {187}, gaps  # ceil(0.028 / (0.01 * 0.015))
     assert len(due) * 0.028 / (2000 * 0.015) <= 0.01 + 0.028 / (2000 * 0.015)
+    # The default budget, 0.5%: twice the gap.
+    due = _probe_schedule(Guards(), 0.015, 0.028, 2000)
+    assert {b - a for a, b in zip(due, due[1:])} == {374}  # ceil(0.028 / (0.005 * 0.015))
     # A 1 s step: the floor of 10 steps; a tiny step: the ceiling of 1,000.
     slow_steps = _probe_schedule(Guards(), 1.0, 0.028, 100)
     assert slow_steps == [10, 20, 30, 40, 50, 60, 70, 80, 90, 100]
@@ -136,7 +139,10 @@ def test_adaptive_comm_probe_stays_within_its_budget():
     assert _probe_schedule(Guards(comm_probe_interval=0), 0.015, 0.028, 30) == []
     assert _probe_schedule(Guards(), 0.015, 0.028, 30, world=1) == []
     # A resumed stage counts from its first step, not from global step 0.
-    assert _probe_schedule(Guards(), 0.015, 0.028, 400, first=500)[:2] == [510, 697]
+    assert _probe_schedule(Guards(comm_probe_budget=0.01), 0.015, 0.028, 400, first=500)[:2] == [
+        510,
+        697,
+    ]
 
 
 def test_first_probe_is_placed_by_the_start_checks_probe_time():
@@ -144,9 +150,12 @@ def test_first_probe_is_placed_by_the_start_checks_probe_time():
 
     # The start check (at the stage's start) timed the probe: it counts as the probe at the
     # first step, so the first in-training probe already keeps to the budget.
-    due = _probe_schedule(Guards(), 0.015, 0.028, 2000, hint=0.028)
+    due = _probe_schedule(Guards(comm_probe_budget=0.01), 0.015, 0.028, 2000, hint=0.028)
     assert due[0] == 187 and {b - a for a, b in zip(due, due[1:])} == {187}
-    assert _probe_schedule(Guards(), 0.015, 0.028, 400, first=500, hint=0.028)[0] == 687
+    assert (
+        _probe_schedule(Guards(comm_probe_budget=0.01), 0.015, 0.028, 400, first=500, hint=0.028)[0]
+        == 687
+    )
     # Slow steps: the floor, as without a hint; a fixed interval ignores the hint.
     assert _probe_schedule(Guards(), 1.0, 0.028, 30, hint=0.028) == [10, 20, 30]
     fixed = _probe_schedule(Guards(comm_probe_interval=7), 0.015, 0.028, 20, hint=0.028)
