@@ -1,5 +1,6 @@
 """The garbage collector while a rank starts (wonderland_ds/startup.py): off from train.py's
-start, the imports frozen, one collection and back on at the first step."""
+start, the imports frozen, one collection and back on at the first step; and the GIL switch
+interval while engine.fit trains."""
 
 from __future__ import annotations
 
@@ -146,3 +147,39 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
     got, _ = stage._task_data(args, WonderlandSettings(), tmp_path, check_stale=True)
     assert isinstance(got, Task) and seen == [True]
     assert not gc.isenabled()  # and held again for the rest of the start
+
+
+def test_fit_trains_with_short_gil_waits_and_restores_the_interval(monkeypatch):
+    """engine.fit runs its loop with the GIL switch interval at most 0.5 ms (background
+    writer threads hold the GIL in bursts; the loop would wait up to 5 ms for it), keeps a
+    smaller interval the caller set, and restores the caller's after, also after a failure."""
+    import sys
+
+    from wonderland_ds import engine
+
+    seen: list[float] = []
+
+    def fake_fit(run, engine_, prog, log, verify=False):
+        seen.append(sys.getswitchinterval())
+        if verify:
+            raise RuntimeError("a rank died")
+        return {"ok": True}
+
+    monkeypatch.setattr(engine, "_fit", fake_fit)
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert engine.fit(None, None, None, None) == {"ok": True}
+        assert seen[-1] == pytest.approx(
+            0.0005, rel=0.05
+        ) and sys.getswitchinterval() == pytest.approx(0.005)
+        with pytest.raises(RuntimeError):
+            engine.fit(None, None, None, None, verify=True)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        sys.setswitchinterval(0.0002)  # the caller's own, smaller: kept
+        engine.fit(None, None, None, None)
+        assert seen[-1] == pytest.approx(
+            0.0002, rel=0.05
+        ) and sys.getswitchinterval() == pytest.approx(0.0002, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
