@@ -10,8 +10,9 @@ model, data, config and process count, alternating repetitions with the order ro
 Sides: ``raw`` (a hand-written DeepSpeed loop: in-memory batches, forward/backward/step, the
 loss .item() a step as every real loop logs it), ``wonderland`` (engine.fit with the guards on,
 defaults, no saves inside the timed window), ``guards-off``, ``check-every-step``,
-``check-blocking`` (guards.overlap_check false) and ``raw-again`` (raw once more: the noise
-floor of every ratio). With ``--save`` it also times
+``check-blocking`` (guards.overlap_check false), ``gil-5ms`` (the stage loop under Python's
+default GIL switch interval instead of engine.fit's 0.5 ms) and ``raw-again`` (raw once more:
+the noise floor of every ratio). With ``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
 (time the loop is blocked, and time until the checkpoint is complete), plus the disk's
 sequential write speed measured in the same run.
@@ -38,7 +39,14 @@ from disk import write_speed  # noqa: E402
 
 from wonderland_ds import async_ckpt, cache, tasks  # noqa: E402
 from wonderland_ds import distributed as dist  # noqa: E402
-from wonderland_ds.engine import Progress, StageRun, build, fit, save  # noqa: E402
+from wonderland_ds.engine import (  # noqa: E402
+    Progress,
+    StageRun,
+    build,
+    fit,
+    save,
+    short_gil_waits,
+)
 from wonderland_ds.settings import Guards, WonderlandSettings  # noqa: E402
 
 
@@ -185,6 +193,17 @@ def wonderland_loop(
     # metrics sink) is inside. The last step includes the final save: dropped.
     wall = [float(r["wall"]) for r in rows[:-1]]
     return [b - a for a, b in zip(wall, wall[1:])]
+
+
+def gil_5ms(run):
+    """``run()`` with engine.fit's GIL switch interval at Python's default, 5 ms."""
+    from wonderland_ds import engine
+
+    before, engine.SWITCH_INTERVAL_S = engine.SWITCH_INTERVAL_S, 0.005
+    try:
+        return run()
+    finally:
+        engine.SWITCH_INTERVAL_S = before
 
 
 def _stats(task):
@@ -366,6 +385,7 @@ def main() -> None:
             "check-every-step": [],
             "check-blocking": [],
             "raw-again": [],
+            "gil-5ms": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
@@ -389,6 +409,11 @@ def main() -> None:
             # overlap saves.
             "check-blocking": lambda rep: wonderland_loop(
                 task, config, args.steps, True, folder / f"cb{rep}", overlap_check=False
+            ),
+            # The stage loop under Python's default GIL switch interval (5 ms) instead of the
+            # 0.5 ms engine.fit trains with, to show what the shorter interval saves.
+            "gil-5ms": lambda rep: gil_5ms(
+                lambda: wonderland_loop(task, config, args.steps, True, folder / f"g5{rep}")
             ),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
@@ -417,7 +442,10 @@ def main() -> None:
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)
-        result["save"] = save_bench(task, config, args.save, folder)
+        # Under the GIL switch interval a stage trains with (engine.fit sets it): the writer
+        # thread and the fence then share the GIL as they do in a stage.
+        with short_gil_waits():
+            result["save"] = save_bench(task, config, args.save, folder)
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))
         import shutil

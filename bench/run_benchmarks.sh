@@ -18,10 +18,12 @@ for z in 1 2 3; do launch 2 "steps_digits_z$z" --task digits --zero "$z" --steps
 launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 40 --reps 6
 # 1b. pieces of the loop apart: metrics writing (DeepSpeed's vs batched), guard hooks
 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out "$out/parts.json"
-# 1c. digits in shorter runs, 20 pairs each: a steal burst spoils one pair, not one of five;
-#     then ZeRO-1 with guards off too (20 triples)
-for z in 1 2 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland; done
-launch 2 steps_digits_20x_z1_off --task digits --zero 1 --steps 100 --reps 20 --sides wonderland,guards-off
+# 1c. digits in shorter runs, 20 repetitions each: a steal burst spoils one, not one of five;
+#     guards off and raw-again (the noise floor) beside, ZeRO-2 with the check not overlapped too
+for z in 1 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland,guards-off,raw-again; done
+launch 2 steps_digits_20x_z2 --task digits --zero 2 --steps 100 --reps 20 --sides wonderland,guards-off,raw-again,check-blocking
+#     and what the GIL switch interval engine.fit trains with saves (30 repetitions)
+launch 2 steps_digits_30x_z1_gil --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,gil-5ms,raw-again
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks
 launch 2 save_pylm_25m --task pylm --dim 512 --layers 8 --micro 2 --gas 1 --zero 2 --skip-steps --save 8
 # 3. resume: launch to first step, same and changed topology, against plain DeepSpeed

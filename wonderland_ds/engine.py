@@ -607,8 +607,9 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 @contextlib.contextmanager
-def short_gil_waits(interval_s: float = SWITCH_INTERVAL_S) -> Iterator[None]:
-    """Python's GIL switch interval at most ``interval_s`` inside the block, then as it was.
+def short_gil_waits(interval_s: float | None = None) -> Iterator[None]:
+    """Python's GIL switch interval at most ``interval_s`` (default ``SWITCH_INTERVAL_S``)
+    inside the block, then as it was.
 
     Why: the step loop shares its process with threads that hold the GIL in bursts (rank 0's
     metrics writer and TensorBoard's, the checkpoint writer serializing a save). When the
@@ -619,7 +620,7 @@ def short_gil_waits(interval_s: float = SWITCH_INTERVAL_S) -> Iterator[None]:
     loop by paired median (BENCHMARKS.md section 2). A smaller interval the caller set is
     kept."""
     before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval_s))
+    sys.setswitchinterval(min(before, SWITCH_INTERVAL_S if interval_s is None else interval_s))
     try:
         yield
     finally:
