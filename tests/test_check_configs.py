@@ -503,6 +503,12 @@ BROKEN = [
         "wonderland.guards.check_interval",
     ),
     Broken(
+        "wonderland-guards-overlap_check-string",
+        {"wonderland.guards": {"overlap_check": "maybe"}},
+        "wonderland-settings",
+        "wonderland.guards.overlap_check",
+    ),
+    Broken(
         "wonderland-train_steps-string",
         {"wonderland.train_steps": "100"},
         "wonderland-settings",

@@ -32,6 +32,33 @@ def run16(stage15_fp32, tmp_path) -> Path:
     return run
 
 
+def with_guards(base: str | Path, out: Path, **guards) -> Path:
+    """``base`` with ``wonderland.guards`` fields set, written to ``out``."""
+    cfg = json.loads(Path(base).read_text())
+    cfg["wonderland"].setdefault("guards", {}).update(guards)
+    out.write_text(json.dumps(cfg))
+    return out
+
+
+def train16(run16: Path, config: str | Path, steps: int, fault: str):
+    """Stage 16 resumed from the run's stage 15, with a fault injected."""
+    return wonderland(
+        "train",
+        "--stage",
+        "16",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run16),
+        "--resume",
+        "auto",
+        "--steps",
+        str(steps),
+        "--fault",
+        fault,
+    )
+
+
 def test_every_fault_is_detected_with_its_latency(run16):
     faults = (
         "slow@comm:rank=1:factor=2,drop@grad:rank=1:step=50:until=51,"
@@ -122,25 +149,9 @@ def test_overlapped_check_stops_one_step_later_and_writes_only_judged_steps(run1
     while step 46 trains, and its verdict comes when step 46 ends. The fault at step 43 stops
     the run there: step 46 trained (the overlap really happened) and is discarded; the
     metrics hold only the steps judged fine; nothing was saved."""
-    cfg = json.loads((REPO / "tests" / "configs" / "tiny_zero2_fp32.json").read_text())
-    cfg["wonderland"].setdefault("guards", {})["check_interval"] = 5
-    path = tmp_path / "check5.json"
-    path.write_text(json.dumps(cfg))
-    r = wonderland(
-        "train",
-        "--stage",
-        "16",
-        "--config",
-        str(path),
-        "--run-dir",
-        str(run16),
-        "--resume",
-        "auto",
-        "--steps",
-        "20",
-        "--fault",
-        "drop@grad:rank=1:step=43",
-    )
+    tiny = REPO / "tests" / "configs" / "tiny_zero2_fp32.json"
+    config = with_guards(tiny, tmp_path / "check5.json", check_interval=5)
+    r = train16(run16, config, 20, "drop@grad:rank=1:step=43")
     out = r.stdout + r.stderr
     assert r.returncode == 3, out[-3000:]
     assert "FAULT INJECTED: drop at grad step 43 rank 1" in out and "Traceback" not in out
@@ -160,32 +171,15 @@ def test_overlapped_check_stops_one_step_later_and_writes_only_judged_steps(run1
 def test_rollback_policy_reloads_and_skips_the_bad_batches(
     run16, tmp_path, check_interval, overlap
 ):
-    cfg = json.loads(Path(GUARDS_WARN).read_text())
-    cfg["wonderland"]["guards"].update(
-        {
-            "spike_policy": "rollback",
-            "allreduce_check": False,
-            "check_interval": check_interval,
-            "overlap_check": overlap,
-        }
+    config = with_guards(
+        GUARDS_WARN,
+        tmp_path / "rollback.json",
+        spike_policy="rollback",
+        allreduce_check=False,
+        check_interval=check_interval,
+        overlap_check=overlap,
     )
-    path = tmp_path / "rollback.json"
-    path.write_text(json.dumps(cfg))
-    r = wonderland(
-        "train",
-        "--stage",
-        "16",
-        "--config",
-        str(path),
-        "--run-dir",
-        str(run16),
-        "--resume",
-        "auto",
-        "--steps",
-        "40",
-        "--fault",
-        "spike@step:step=55:factor=8",
-    )
+    r = train16(run16, config, 40, "spike@step:step=55:factor=8")
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
     roll = first(events(run16 / "stage16"), "rollback")
