@@ -16,8 +16,14 @@ launch() {  # NPROC OUT ARGS...
 # 1. step time, wonderland (guards on) vs a plain DeepSpeed loop vs guards off, ZeRO 1/2/3
 for z in 1 2 3; do launch 2 "steps_digits_z$z" --task digits --zero "$z" --steps 400 --reps 5; done
 launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 40 --reps 6
-# 1b. pieces of the loop apart: metrics writing (DeepSpeed's vs batched), guard hooks
+# 1b. pieces of the loop apart: metrics writing (DeepSpeed's vs batched), guard hooks; the
+#     check's all-reduce blocking vs overlapped
 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out "$out/parts.json"
+for w in spin sleep; do
+  .venv/bin/torchrun --nproc_per_node 2 --master_port $((29900 + RANDOM % 90)) \
+    bench/bench_check_allreduce.py --reps 300 --work "$w" --out "$out/check_allreduce_$w.json" > /dev/null 2>&1
+  echo "== check_allreduce_$w"; cat "$out/check_allreduce_$w.json"
+done
 # 1c. digits in shorter runs, 20 repetitions each: a steal burst spoils one, not one of five;
 #     guards off and raw-again (the noise floor) beside, ZeRO-2 with the check not overlapped too
 for z in 1 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland,guards-off,raw-again; done

@@ -76,6 +76,31 @@ def test_loader_bench_one_tiny_repetition():
     assert "samples/s" in r.stdout, r.stdout[-2000:]
 
 
+def test_check_allreduce_bench_one_tiny_run(tmp_path):
+    out = tmp_path / "ar.json"
+    cmd = [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "bench/bench_check_allreduce.py",
+        "--reps",
+        "10",
+        "--work",
+        "sleep",
+        "--out",
+        str(out),
+    ]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == 2 and got["bytes"] == 10 * 9 * 8 and len(got["ranks"]) == 2
+    for rank in got["ranks"]:
+        assert set(rank) == {"blocking", "overlapped"}
+        assert all(v["median_us"] > 0 and v["mean_us"] > 0 for v in rank.values())
+
+
 def test_parts_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "parts.json"
     cmd = [

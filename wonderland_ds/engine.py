@@ -520,11 +520,12 @@ class _Checks:
     at once or after the next step trained (``guards.overlap_check``). Settled steps become
     metrics rows, the progress line and the metrics sink's events.
 
-    Why overlap: the all-reduce itself is a few dozen bytes, but a blocking gloo collective on
-    a busy host costs a hand-off to gloo's thread and a wake-up on every rank (0.3 ms median,
-    1.3 ms mean for a 720-byte tensor between two ranks on this project's 2-core machine,
-    1.5-2.5 ms inside the digits loop; BENCHMARKS.md section 2). Started before the next step
-    and waited for after it, that latency hides behind the step's compute."""
+    Why overlap: the all-reduce itself is a few hundred bytes, but a blocking gloo collective
+    on a busy host costs a hand-off to gloo's thread and a wake-up on every rank (720 bytes
+    between two ranks on this project's 2-core machine: 0.3-1.8 ms median, 1.2-1.9 ms mean,
+    bench/bench_check_allreduce.py; 1.0-1.8 ms a check inside the digits loop). Started before
+    the next step and waited for after it, most of that latency hides behind the step
+    (0.004-0.03 ms left inside the loop; BENCHMARKS.md section 2)."""
 
     def __init__(
         self,
