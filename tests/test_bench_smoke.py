@@ -22,6 +22,13 @@ BIN = Path(sys.executable).parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
+def run_bench(cmd: list[str], out: Path, timeout: int) -> dict:
+    """Run one benchmark command from the repository root; its JSON result from ``out``."""
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
 def test_engine_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "r.json"
     cmd = [
@@ -47,9 +54,7 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
         "--out",
         str(out),
     ]
-    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    res = json.loads(out.read_text())
+    res = run_bench(cmd, out, 300)
     assert res["world"] == 2
     for side in ("raw", "wonderland", "guards-off", "check-every-step", "check-blocking"):
         (t,) = res["mean_step_s"][side]
@@ -92,9 +97,7 @@ def test_check_allreduce_bench_one_tiny_run(tmp_path):
         "--out",
         str(out),
     ]
-    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    got = json.loads(out.read_text())
+    got = run_bench(cmd, out, 120)
     assert got["world"] == 2 and got["bytes"] == 10 * 9 * 8 and len(got["ranks"]) == 2
     for rank in got["ranks"]:
         assert set(rank) == {"blocking", "overlapped"}
@@ -113,9 +116,7 @@ def test_parts_bench_one_tiny_repetition(tmp_path):
         "--out",
         str(out),
     ]
-    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(out.read_text())
+    got = run_bench(cmd, out, 120)
     m, h = got["metrics"], got["hooks"]
     sides = ("ds_write_events_ms", "write_batch_python_crc_ms", "write_batch_ms")
     assert m["tags_per_step"] == 14 and [len(m[k]) for k in sides] == [1, 1, 1]
