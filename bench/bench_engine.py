@@ -14,8 +14,9 @@ defaults, no saves inside the timed window), ``guards-off``, ``check-every-step`
 default GIL switch interval instead of engine.fit's 0.5 ms) and ``raw-again`` (raw once more:
 the noise floor of every ratio). With ``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
-(time the loop is blocked, and time until the checkpoint is complete), plus the disk's
-sequential write speed measured in the same run.
+(time the loop is blocked, and time until the checkpoint is complete), with the default
+``async_save_copy`` (``wl_*``) and without it (``serialize_*``), plus the disk's sequential
+write speed measured in the same run.
 """
 
 from __future__ import annotations
@@ -258,10 +259,21 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
         "ds_step_after_s": [],
         "wl_step_after_s": [],
     }
+    # Two wonderland sides, each with its own writer (and buffer pool), as a stage has one:
+    # "wl" the default (the writer copies the held tensors first, async_save_copy), and
+    # "serialize" (async_save_copy false: the writer serializes the live tensors, and the
+    # fence waits for that). Their order alternates from one repetition to the next.
+    for side in ("serialize",):
+        for key in ("blocked_s", "fence_s", "complete_s", "step_after_s"):
+            out[f"{side}_{key}"] = []
     prog = Progress()
     original = engine.checkpoint_engine
-    writer = async_ckpt.install(engine)
-    ours, engine.checkpoint_engine = engine.checkpoint_engine, original
+    writers = {}
+    for side, copy_held in (("wl", True), ("serialize", False)):
+        writer = async_ckpt.install(engine, copy_held=copy_held)
+        writers[side] = (writer, engine.checkpoint_engine)
+        engine.checkpoint_engine = original
+    step = 0
     for rep in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -279,28 +291,32 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
         t1 = time.perf_counter()
         train_step()
         out["ds_step_after_s"].append(max(dist.gather_all(time.perf_counter() - t1)))
-        engine.global_steps = rep + 1
-        engine.checkpoint_engine = ours  # as in a stage: one writer (and buffer pool) per run
-        # What the stage loop learns from its check's all-reduce: every writer is idle.
-        settled = not any(dist.gather_all(writer.busy))
-        dist.barrier()
-        t0 = time.perf_counter()
-        _, blocked = save(run, engine, prog, None, writer, settled)
-        # Training goes on while the writer serializes the held tensors; the fence before the
-        # optimizer update is the rest of the blocked time (engine.fit does the same).
-        t1 = time.perf_counter()
-        fence = train_step(writer)
-        step_after = time.perf_counter() - t1
-        # The slowest rank's blocked time (DeepSpeed's side is timed barrier to barrier).
-        out["wl_blocked_s"].append(max(dist.gather_all(blocked + fence)))
-        out["wl_fence_s"].append(max(dist.gather_all(fence)))
-        out["wl_step_after_s"].append(max(dist.gather_all(step_after)))
-        writer.wait()
-        dist.barrier()
-        out["wl_complete_s"].append(time.perf_counter() - t0)
-        engine.checkpoint_engine = original  # DeepSpeed's own engine for the next sync save
-    writer.close()
-    tag = folder / "w" / "stage15" / "checkpoints" / f"global_step{reps}"
+        for side in ("wl", "serialize")[:: 1 if rep % 2 == 0 else -1]:
+            writer, ours = writers[side]
+            step += 1
+            engine.global_steps = step
+            engine.checkpoint_engine = ours  # as in a stage: one writer (and pool) per run
+            # What the stage loop learns from its check's all-reduce: every writer is idle.
+            settled = not any(dist.gather_all(writer.busy))
+            dist.barrier()
+            t0 = time.perf_counter()
+            _, blocked = save(run, engine, prog, None, writer, settled)
+            # Training goes on while the writer reads the held tensors; the fence before the
+            # optimizer update is the rest of the blocked time (engine.fit does the same).
+            t1 = time.perf_counter()
+            fence = train_step(writer)
+            step_after = time.perf_counter() - t1
+            # The slowest rank's blocked time (DeepSpeed's side is timed barrier to barrier).
+            out[f"{side}_blocked_s"].append(max(dist.gather_all(blocked + fence)))
+            out[f"{side}_fence_s"].append(max(dist.gather_all(fence)))
+            out[f"{side}_step_after_s"].append(max(dist.gather_all(step_after)))
+            writer.wait()
+            dist.barrier()
+            out[f"{side}_complete_s"].append(time.perf_counter() - t0)
+            engine.checkpoint_engine = original  # DeepSpeed's own engine for the next sync save
+    for writer, _ in writers.values():
+        writer.close()
+    tag = folder / "w" / "stage15" / "checkpoints" / f"global_step{step}"
     out["checkpoint_bytes"] = sum(p.stat().st_size for p in tag.iterdir())
     return out
 

@@ -217,6 +217,59 @@ def test_engine_holds_step_only_storages_and_copies_the_rest(tmp_path):
     assert saved["w"].untyped_storage().data_ptr() == saved["b"].untyped_storage().data_ptr()
 
 
+def test_copied_held_tensors_free_the_fence_before_the_file_is_serialized(tmp_path):
+    """async_save_copy (the default): the writer copies the held storages first and the
+    fence returns then, while the file is not serialized yet (the writer is stopped after the
+    copy); an optimizer step after the fence does not reach the file. Views keep sharing one
+    copied storage, and the copies are pooled: the next save reuses them."""
+    from wonderland_ds.async_ckpt import SnapshotCheckpointEngine
+
+    copied, go_on = threading.Event(), threading.Event()
+
+    def hook(point: str) -> None:
+        if point == "held-copied":
+            copied.set()
+            go_on.wait(30)
+
+    w = Writer(hook)
+    flat = torch.zeros(6)
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({flat.data_ptr()}))
+    for i, name in enumerate(("s1.pt", "s2.pt")):
+        w.pool.start()
+        eng.save({"w": flat[:3], "b": flat[3:]}, str(tmp_path / name))
+        waited = w.fence(timeout=10)
+        assert copied.is_set() and not (tmp_path / name).exists()  # not serialized yet
+        flat += 5  # the optimizer step, after the fence
+        go_on.set()
+        w.wait()
+        copied.clear(), go_on.clear()
+        saved = torch.load(tmp_path / name)
+        assert saved["w"].tolist() == [5.0 * i] * 3 and saved["b"].tolist() == [5.0 * i] * 3
+        assert saved["w"].untyped_storage().data_ptr() == saved["b"].untyped_storage().data_ptr()
+        assert waited < 10
+    assert w.pool.reused == 1  # the second save copied into the first save's buffer
+    w.close()
+
+
+def test_serialized_held_tensors_hold_the_fence_until_written(tmp_path):
+    """async_save_copy false: nothing is copied, the fence waits for torch.save itself (the
+    writer stopped before the file: the fence must time out)."""
+    from wonderland_ds.async_ckpt import SnapshotCheckpointEngine
+
+    gate = threading.Event()
+    w = _slow_writer(gate)
+    flat = torch.zeros(4)
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({flat.data_ptr()}), False)
+    eng.save({"w": flat}, str(tmp_path / "s.pt"))
+    with pytest.raises(TimeoutError):
+        w.fence(timeout=0.2)
+    gate.set()
+    w.fence(timeout=10)
+    w.wait()
+    w.close()
+    assert w.pool.reused == 0 and not w.pool._free  # no buffer: the live tensor was written
+
+
 @pytest.mark.slow
 def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
     """Real DeepSpeed, 2 gloo ranks, ZeRO-1/2/3, bf16: wonderland's save at step 2 holds the
@@ -251,9 +304,12 @@ def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
         lines = [ln for ln in outs[0].splitlines() if ln.startswith("HELD-SAVE ")]
         return [json.loads(ln[len("HELD-SAVE ") :]) for ln in lines]
 
-    fenced = run(tmp_path / "fenced")
+    fenced = run(tmp_path / "fenced")  # the default: the writer copies the held tensors
     assert [ranks[0]["zero"] for ranks in fenced] == [1, 2, 3]
-    for ranks in fenced:
+    # async_save_copy false: serialized from the live tensors (ZeRO-2 only, for time).
+    serialized = run(tmp_path / "serialized", "--serialize-held", "--zero", "2")
+    assert [ranks[0]["zero"] for ranks in serialized] == [2]
+    for ranks in fenced + serialized:
         for rep in ranks:
             assert rep["held_files"] and rep["files"] >= 3
             assert all(rep["equal"].values()), rep

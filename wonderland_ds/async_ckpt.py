@@ -9,12 +9,15 @@ replaces ``latest``: the crash-safety contract of checkpoint.py is unchanged, on
 moved off the training loop. The next save waits for the previous one (back-pressure).
 
 Three things keep the blocked window short (BENCHMARKS.md section 3):
-* most of the state is not copied at all. Parameters, fp32 master weights and optimizer moments
-  change only in an optimizer step, so the writer serializes them straight from the live
-  tensors (they are *held*) while the next step's forward and backward run, and the loop calls
-  :meth:`Writer.fence` before that step's optimizer update: it waits until no held file is
-  still being serialized. Everything else in a state dict (buffers, which a forward may
-  update; DeepSpeed's loss scaler; anything we cannot place) is copied as before;
+* most of the state is not copied on the loop's time. Parameters, fp32 master weights and
+  optimizer moments change only in an optimizer step, so they are *held*: the writer thread
+  reads them from the live tensors while the next step's forward and backward run, and the
+  loop calls :meth:`Writer.fence` before that step's optimizer update. By default
+  (``async_save_copy``) the writer first copies them into pooled buffers, so the fence waits
+  for a memcpy only; without it, the writer serializes the live tensors and the fence waits
+  for torch.save (no extra memory). Everything else in a state dict (buffers, which a
+  forward may update; DeepSpeed's loss scaler; anything we cannot place) is copied at the
+  save, on the loop's time;
 * what is copied goes into buffers kept from the previous save (:class:`BufferPool`): a copy
   into fresh memory pays a page fault per 4 KiB page, 2-3x the copy itself on this machine;
 * each rank's RNG states travel in its ``.done-rankR`` marker, written by its own writer, so no
@@ -56,17 +59,21 @@ class BufferPool:
         with self._lock:
             self._prev, self._free = self._free, {}
 
+    def take(self, nbytes: int) -> torch.UntypedStorage:
+        """A host buffer of ``nbytes`` (the previous save's when one fits), not yet filled."""
+        with self._lock:
+            free = self._prev.get(nbytes)
+            buf = free.pop() if free else None
+        if buf is None:
+            return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        self.reused += 1
+        return buf
+
     def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
         n = storage.nbytes()
         if storage.device.type != "cpu" or n == 0:
             return storage.clone()  # device memory is not pooled: it is the scarce kind
-        with self._lock:
-            free = self._prev.get(n)
-            buf = free.pop() if free else None
-        if buf is None:
-            buf = torch.empty(n, dtype=torch.uint8).untyped_storage()
-        else:
-            self.reused += 1
+        buf = self.take(n)
         buf.copy_(storage)
         return buf
 
@@ -83,19 +90,33 @@ class BufferPool:
             self._prev = {}
 
 
+def fill(staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> None:
+    """Copy each held storage into its buffer (a tensor copy: it releases the GIL, so the
+    training loop runs while the writer thread copies)."""
+    for buf, src in staged:
+        dst = torch.empty(0, dtype=torch.uint8).set_(buf)
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(src))
+
+
 def snapshot(
     obj: Any,
     memo: dict[int, Any] | None = None,
     pool: BufferPool | None = None,
     held: frozenset[int] = frozenset(),
     kept: list[torch.Tensor] | None = None,
+    staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
 ) -> Any:
     """A copy that later training steps cannot change. Tensor storages are copied once each
     (into ``pool``'s reused buffers when given) and views rebuilt on the copies, so the file is
     the same as DeepSpeed would write. ``memo`` ends up holding every copied storage. Tensors
     whose storage is in ``held`` (by data pointer: only an optimizer step writes them) are
-    kept as they are, uncopied (and appended to ``kept``); the caller fences the next step."""
+    not copied now (and appended to ``kept``); the caller fences the next step. With
+    ``staged`` (a list, and a pool), a held storage gets a pool buffer that is *not filled*:
+    the (buffer, live storage) pair goes into ``staged`` for the writer thread to copy
+    (:func:`fill`) before the fence lets the optimizer change it. Without, the held tensor
+    itself is kept, and the writer serializes it straight from the live storage."""
     memo = {} if memo is None else memo
+    args = (memo, pool, held, kept, staged)
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         storage = t.untyped_storage()
@@ -103,19 +124,23 @@ def snapshot(
         if key in held:
             if kept is not None:
                 kept.append(obj)
-            return obj
-        if key not in memo:
+            if staged is None or pool is None:
+                return obj
+            if key not in memo:
+                memo[key] = pool.take(storage.nbytes())
+                staged.append((memo[key], storage))
+        elif key not in memo:
             memo[key] = pool.copy(storage) if pool is not None else storage.clone()
         out = torch.empty(0, dtype=t.dtype, device=t.device)
         return out.set_(memo[key], t.storage_offset(), t.size(), t.stride())
     # Exact types only: subclasses (torch.Size, defaultdict, named tuples) keep their type
     # through deepcopy below, and DeepSpeed's loaders rely on them (e.g. Size.numel()).
     if type(obj) in (dict, OrderedDict):
-        return type(obj)((k, snapshot(v, memo, pool, held, kept)) for k, v in obj.items())
+        return type(obj)((k, snapshot(v, *args)) for k, v in obj.items())
     if type(obj) is list:
-        return [snapshot(v, memo, pool, held, kept) for v in obj]
+        return [snapshot(v, *args) for v in obj]
     if type(obj) is tuple:
-        return tuple(snapshot(v, memo, pool, held, kept) for v in obj)
+        return tuple(snapshot(v, *args) for v in obj)
     if isinstance(obj, (str, int, float, bool, type(None), torch.Size, torch.dtype)):
         # Immutable. torch.Size (DeepSpeed's param_shapes: one per parameter) through
         # deepcopy cost 14 ms of a 63 ms save window (profiled, 25.5M GPT).
@@ -168,10 +193,13 @@ class Writer:
         zipfile: bool,
         buffers: list[torch.UntypedStorage] | None = None,
         held: bool = False,
+        staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
     ) -> None:
         """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
-        once the file is written. ``held``: ``obj`` holds live tensors, and :meth:`fence`
-        waits until they are serialized (into the page cache; fsync and rename come after)."""
+        once the file is written. ``held``: ``obj`` reads live tensors, and :meth:`fence`
+        waits until they are read: copied, when ``staged`` lists them (:func:`fill`, the
+        first thing the job does), else serialized (into the page cache; fsync and rename
+        come after)."""
         released = [not held]
 
         def release() -> None:  # on the writer thread only: after torch.save, or when skipped
@@ -186,6 +214,10 @@ class Writer:
             try:
                 self.hook("before-file")
                 try:
+                    if staged:
+                        fill(staged)
+                        release()  # the live tensors are copied: the optimizer may go on
+                        self.hook("held-copied")
                     torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
                 finally:
                     release()
@@ -257,21 +289,33 @@ class Writer:
 class SnapshotCheckpointEngine(TorchCheckpointEngine):
     """DeepSpeed checkpoint engine: ``save`` snapshots in memory and queues the write.
     ``step_only`` gives the storages only an optimizer step writes (:func:`step_only_storages`):
-    those are held, not copied, and the file is marked held (the loop fences the next step)."""
+    those are not copied on the loop's time, and the file is marked held (the loop fences the
+    next step). ``copy_held``: the writer thread copies them into pooled buffers first thing,
+    so the fence waits for a memcpy; false, it serializes them from the live tensors, so the
+    fence waits for torch.save (no extra host memory)."""
 
     def __init__(
-        self, base: Any, writer: Writer, step_only: Callable[[], frozenset[int]] = frozenset
+        self,
+        base: Any,
+        writer: Writer,
+        step_only: Callable[[], frozenset[int]] = frozenset,
+        copy_held: bool = True,
     ) -> None:
         self.name = "WonderlandSnapshotCheckpointEngine"
         self.zipfile_serialization = getattr(base, "zipfile_serialization", True)
         self.writer = writer
         self.step_only = step_only
+        self.copy_held = copy_held
 
     def save(self, state_dict: Any, path: str) -> None:
         memo: dict[int, Any] = {}
         kept: list[torch.Tensor] = []
-        copy_ = snapshot(state_dict, memo, self.writer.pool, self.step_only(), kept)
-        self.writer.write(copy_, path, self.zipfile_serialization, list(memo.values()), bool(kept))
+        staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None
+        staged = [] if self.copy_held else None
+        copy_ = snapshot(state_dict, memo, self.writer.pool, self.step_only(), kept, staged)
+        self.writer.write(
+            copy_, path, self.zipfile_serialization, list(memo.values()), bool(kept), staged
+        )
 
 
 def step_only_storages(engine: Any) -> frozenset[int]:
@@ -316,10 +360,12 @@ def _may_step_outside_the_fence(engine: Any) -> bool:
     return unmanaged or bool(getattr(engine, "zenflow", False)) or bool(super_offload)
 
 
-def install(engine: Any, hook: Callable[[str], None] | None = None) -> Writer:
+def install(
+    engine: Any, hook: Callable[[str], None] | None = None, copy_held: bool = True
+) -> Writer:
     writer = Writer(hook)
     engine.checkpoint_engine = SnapshotCheckpointEngine(
-        engine.checkpoint_engine, writer, lambda: step_only_storages(engine)
+        engine.checkpoint_engine, writer, lambda: step_only_storages(engine), copy_held
     )
     return writer
 

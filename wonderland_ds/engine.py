@@ -660,7 +660,7 @@ def _fit(
     guards.start(first)
     start_check(run, guards, verify)
     guards.attach(engine.module)
-    writer = async_ckpt.install(engine)
+    writer = async_ckpt.install(engine, copy_held=run.settings.async_save_copy)
     blocked: list[float] = []
 
     def loader_from(step: int) -> Prefetcher:

@@ -117,6 +117,12 @@ class WonderlandSettings(_Strict):
     async_save: bool = True
     """Block training only for an in-memory snapshot per save; files, checksums, metadata and
     ``latest`` are written in the background (false: wait for all of it at every save)."""
+    async_save_copy: bool = True
+    """Parameters and optimizer state are not copied on the loop's time: the checkpoint
+    writer copies them into host buffers reused from save to save, and the next optimizer
+    update waits for that copy only (costs one host copy of this rank's state, kept between
+    saves). false: the writer serializes them straight from the live tensors, no extra
+    memory, and the update waits until they are serialized."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)

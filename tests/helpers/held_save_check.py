@@ -6,11 +6,12 @@ the writer is still busy.
 Per ZeRO stage: train 2 steps; DeepSpeed's save_checkpoint (reference) and wonderland's
 snapshot engine at the same step, with the writer made slow (its "before-file" hook sleeps);
 then more steps with the loop's fence before each optimizer update; then compare every file.
-``--no-fence`` drops the fence: the check must then find the files changed (the hazard the
+``--serialize-held`` turns async_save_copy off (the writer serializes the live tensors
+instead of copying them first). ``--no-fence`` drops the fence: the check must then find the files changed (the hazard the
 fence exists for is real). Prints one JSON line per stage on rank 0.
 
     RANK=r WORLD_SIZE=2 LOCAL_RANK=r LOCAL_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=P \\
-        python tests/helpers/held_save_check.py OUT_DIR [--no-fence] [--zero 1,2,3]
+        python tests/helpers/held_save_check.py OUT_DIR [--no-fence] [--serialize-held] [--zero 1,2,3]
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main() -> None:
             if point == "before-file":
                 time.sleep(0.4)  # the next steps run while this file waits to be written
 
-        writer = async_ckpt.install(engine, slow)
+        writer = async_ckpt.install(engine, slow, copy_held="--serialize-held" not in sys.argv)
         engine.save_checkpoint(str(root), tag="held", save_latest=False)
         engine.checkpoint_engine = original
         queued = writer.pending
