@@ -314,7 +314,10 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
             dist.barrier()
             out[f"{side}_complete_s"].append(time.perf_counter() - t0)
             engine.checkpoint_engine = original  # DeepSpeed's own engine for the next sync save
-    for writer, _ in writers.values():
+    for side, (writer, _) in writers.items():
+        # Host memory each side keeps between saves (its buffer pool), all ranks together.
+        pooled = sum(b.nbytes() for bufs in writer.pool._free.values() for b in bufs)
+        out[f"{side}_pool_bytes"] = sum(dist.gather_all(pooled))
         writer.close()
     tag = folder / "w" / "stage15" / "checkpoints" / f"global_step{step}"
     out["checkpoint_bytes"] = sum(p.stat().st_size for p in tag.iterdir())
