@@ -213,6 +213,8 @@ def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch)
 
     theirs = _ds_master(tmp_path / "ds", monkeypatch)
     ours = _ds_master(tmp_path / "ours", monkeypatch)
+    kept = _ds_master(tmp_path / "kept", monkeypatch)  # CSV files kept open, as the sink does
+    files: dict = {}
     sink = monitor.MetricsSink({}, tmp_path / "unused", rank=1)  # only for .events()
     batches: list[list[tuple[str, float, int]]] = [[], []]
     for r in rows(12):
@@ -222,8 +224,13 @@ def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch)
     for batch in batches:  # two batches: the header is written once, rows append
         theirs.write_events(batch)
         monitor.write_batch(ours, batch)
-    theirs.tb_monitor.summary_writer.close()
-    ours.tb_monitor.summary_writer.close()
+        monitor.write_batch(kept, batch, files)
+        assert len(files) == 14 and all(not fh.closed for fh in files.values())
+    handles = list(files.values())
+    monitor.close_files(files)
+    assert files == {} and all(fh.closed for fh in handles)
+    for master in (theirs, ours, kept):
+        master.tb_monitor.summary_writer.close()
 
     ds_csv = sorted((tmp_path / "ds" / "monitor" / "csv").glob("*.csv"))
     our_csv = tmp_path / "ours" / "monitor" / "csv"
@@ -231,6 +238,8 @@ def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch)
     assert sorted(p.name for p in our_csv.glob("*.csv")) == [p.name for p in ds_csv]
     for path in ds_csv:
         assert (our_csv / path.name).read_bytes() == path.read_bytes(), path.name
+        kept_csv = tmp_path / "kept" / "monitor" / "csv" / path.name
+        assert kept_csv.read_bytes() == path.read_bytes(), path.name
 
     def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
         acc = EventAccumulator(str(folder / "monitor" / "tensorboard"))
@@ -261,6 +270,38 @@ def test_batched_writes_hand_wandb_comet_and_other_monitors_the_events_as_they_a
     other = Recorder()  # not a MonitorMaster: its own write_events
     monitor.write_batch(other, events)
     assert other.got == [events]
+
+
+def test_sink_keeps_csv_files_open_and_a_rewind_cuts_and_reopens_them(tmp_path, monkeypatch):
+    """Rank 0's sink keeps its CSV files open between batches (flushed each batch, so a
+    batch is in the file before the next one); a rollback's rewind closes them, cuts the
+    rows past the restored step and the next batches append after it."""
+    import deepspeed.comm
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
+    sink = monitor.MetricsSink({}, tmp_path, rank=0, flush_every=5)
+    loss_csv = tmp_path / "monitor" / "csv" / "Train_Steps_loss.csv"
+
+    def steps_in_file() -> list[int]:
+        with open(loss_csv, newline="") as fh:
+            body = list(csv.reader(fh))
+        assert body[0] == ["step", "loss"] and ["step", "loss"] not in body[1:]
+        return [int(r[0]) for r in body[1:]]
+
+    for r in rows(10):
+        sink.write(r)
+    sink._queue.join()
+    assert steps_in_file() == list(range(1, 11))  # two batches, in the file while open
+    open_files = dict(sink._files)
+    assert open_files and not any(fh.closed for fh in open_files.values())
+    sink.rewind(7)
+    assert all(fh.closed for fh in open_files.values()) and sink._files == {}
+    assert steps_in_file() == list(range(1, 8))
+    for r in rows(5, start=7):
+        sink.write(r)
+    sink.close()
+    assert steps_in_file() == list(range(1, 13))
+    assert sink.error is None and sink._files == {}
 
 
 def test_sink_on_other_ranks_writes_nothing(tmp_path):
