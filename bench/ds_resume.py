@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,6 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
-    import os
 
     def phase(name: str) -> None:
         if os.environ.get("RANK", "0") == "0":
@@ -63,6 +63,16 @@ def main() -> None:
         Path(args.out).write_text(
             json.dumps({"first_step_end": time.time(), "global_steps": engine.global_steps})
         )
+    # After the timed part: leave as wonderland's train.py does (a barrier, the group torn
+    # down, then no interpreter finalization). Plain DeepSpeed here aborted at finalization in
+    # 2 of 4 runs, 1 December 2026 ("terminate called without an active exception", SIGABRT,
+    # "<no Python frame>": gloo's C++ threads destroyed while joinable, the class of
+    # pytorch/pytorch#179291), even with engine.destroy() and destroy_process_group() first.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
