@@ -509,6 +509,12 @@ BROKEN = [
         "wonderland.guards.overlap_check",
     ),
     Broken(
+        "wonderland-async_save_copy-string",
+        {"wonderland.async_save_copy": "sometimes"},
+        "wonderland-settings",
+        "wonderland.async_save_copy",
+    ),
+    Broken(
         "wonderland-train_steps-string",
         {"wonderland.train_steps": "100"},
         "wonderland-settings",
