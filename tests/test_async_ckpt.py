@@ -251,6 +251,31 @@ def test_copied_held_tensors_free_the_fence_before_the_file_is_serialized(tmp_pa
     w.close()
 
 
+def test_every_file_of_a_save_is_copied_before_any_is_serialized(tmp_path):
+    """DeepSpeed hands a save's files over one after the other (model states, then optimizer
+    states). The copies of all of them run first: the fence returns while the writer is
+    stuck inside the first file's write (after its torch.save, before its rename), which it
+    could not if the second file's copy waited behind the first file's write."""
+    from wonderland_ds.async_ckpt import SnapshotCheckpointEngine
+
+    gate = threading.Event()
+    w = Writer(lambda point: gate.wait(30) if point == "mid-file" else None)
+    a, b = torch.zeros(4), torch.ones(4)
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({a.data_ptr(), b.data_ptr()}))
+    eng.save({"a": a}, str(tmp_path / "a.pt"))
+    eng.save({"b": b}, str(tmp_path / "b.pt"))
+    w.submit(lambda: None)  # what engine.save queues next (the rank's marker)
+    w.fence(timeout=10)  # the old order times out here: b's copy behind a's stuck write
+    assert not (tmp_path / "a.pt").exists()  # a's write really was stuck
+    a += 5
+    b += 5  # the optimizer step after the fence
+    gate.set()
+    w.wait()
+    w.close()
+    assert torch.load(tmp_path / "a.pt")["a"].tolist() == [0.0] * 4
+    assert torch.load(tmp_path / "b.pt")["b"].tolist() == [1.0] * 4
+
+
 def test_serialized_held_tensors_hold_the_fence_until_written(tmp_path):
     """async_save_copy false: nothing is copied, the fence waits for torch.save itself (the
     writer stopped before the file: the fence must time out)."""

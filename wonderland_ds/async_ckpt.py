@@ -160,6 +160,9 @@ class Writer:
         self._error: BaseException | None = None
         self._pending = 0
         self._held = 0  # queued files that still read live training tensors
+        # Serializations of copied held files, queued behind every copy of the same save
+        # (at the next submit, wait or close): no copy waits for another file's torch.save.
+        self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="wonderland-ckpt", daemon=True)
         self._thread.start()
@@ -182,9 +185,16 @@ class Writer:
                     self._lock.notify_all()
 
     def submit(self, job: Callable[[], None], release: Callable[[], None] = lambda: None) -> None:
+        self._flush_deferred()  # the copied files' serializations go first, in their order
         with self._lock:
             self._pending += 1
         self._q.put((job, release))
+
+    def _flush_deferred(self) -> None:
+        with self._lock:
+            jobs, self._deferred = self._deferred, []
+        for item in jobs:  # already counted in _pending
+            self._q.put(item)
 
     def write(
         self,
@@ -197,9 +207,11 @@ class Writer:
     ) -> None:
         """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
         once the file is written. ``held``: ``obj`` reads live tensors, and :meth:`fence`
-        waits until they are read: copied, when ``staged`` lists them (:func:`fill`, the
-        first thing the job does), else serialized (into the page cache; fsync and rename
-        come after)."""
+        waits until they are read: copied, when ``staged`` lists them (:func:`fill`), else
+        serialized (into the page cache; fsync and rename come after). A staged file's copy
+        is queued at once and its serialization held back until the next :meth:`submit`,
+        :meth:`wait` or :meth:`close`, so the copies of one save (DeepSpeed writes the
+        model states, then the optimizer states) all run before any of its torch.saves."""
         released = [not held]
 
         def release() -> None:  # on the writer thread only: after torch.save, or when skipped
@@ -209,15 +221,21 @@ class Writer:
                     self._held -= 1
                     self._lock.notify_all()
 
+        def copy_held() -> None:
+            assert staged
+            try:
+                self.hook("before-file")
+                fill(staged)
+            finally:
+                release()  # copied (or failed: the error skips the serialization)
+            self.hook("held-copied")
+
         def job() -> None:
             tmp = f"{path}.tmp"
             try:
-                self.hook("before-file")
+                if not staged:
+                    self.hook("before-file")
                 try:
-                    if staged:
-                        fill(staged)
-                        release()  # the live tensors are copied: the optimizer may go on
-                        self.hook("held-copied")
                     torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
                 finally:
                     release()
@@ -239,7 +257,13 @@ class Writer:
         if held:
             with self._lock:
                 self._held += 1
-        self.submit(job, release)
+        if not staged:
+            self.submit(job, release)
+            return
+        with self._lock:
+            self._pending += 2
+            self._deferred.append((job, lambda: None))
+        self._q.put((copy_held, release))
 
     @property
     def pending(self) -> int:
@@ -270,6 +294,7 @@ class Writer:
         return time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> None:
+        self._flush_deferred()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self._pending:
@@ -282,6 +307,7 @@ class Writer:
             raise err
 
     def close(self) -> None:
+        self._flush_deferred()
         self._q.put(None)
         self._thread.join(timeout=60)
 
