@@ -45,6 +45,7 @@ from wonderland_ds.engine import (  # noqa: E402
     StageRun,
     build,
     fit,
+    nicer_thread,
     save,
     short_gil_waits,
 )
@@ -162,13 +163,21 @@ def raw_loop(task, config: dict, steps: int) -> list[float]:
 
 
 def wonderland_loop(
-    task, config: dict, steps: int, guards: bool, run_dir: Path, **guard_settings
+    task,
+    config: dict,
+    steps: int,
+    guards: bool,
+    run_dir: Path,
+    loop_nice: int | None = None,
+    **guard_settings,
 ) -> list[float]:
     # Default settings (progress line, metrics sink, guards) except that no checkpoint is
     # saved inside the timed window (saves are benchmarked on their own, --save).
-    # guard_settings: guards.* fields changed from their defaults (another side).
+    # guard_settings: guards.* fields changed from their defaults (another side); loop_nice:
+    # wonderland.loop_nice changed from its default (another side).
     g = Guards(enabled=guards, **guard_settings)
-    settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g)
+    nice = {} if loop_nice is None else {"loop_nice": loop_nice}
+    settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g, **nice)
     from wonderland_ds.ds_config import DSConfig
 
     run = StageRun(
@@ -205,6 +214,12 @@ def gil_5ms(run):
         return run()
     finally:
         engine.SWITCH_INTERVAL_S = before
+
+
+def raw_nicer(run):
+    """``run()`` in a thread as much nicer as a stage's default ``loop_nice``."""
+    with nicer_thread(WonderlandSettings().loop_nice):
+        return run()
 
 
 def _stats(task):
@@ -405,6 +420,8 @@ def main() -> None:
             "check-blocking": [],
             "raw-again": [],
             "gil-5ms": [],
+            "nice-0": [],
+            "raw-nice": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
@@ -434,6 +451,14 @@ def main() -> None:
             "gil-5ms": lambda rep: gil_5ms(
                 lambda: wonderland_loop(task, config, args.steps, True, folder / f"g5{rep}")
             ),
+            # wonderland.loop_nice 0: the stage loop at the usual priority instead of the
+            # nicer thread engine.fit trains in, to show what the nicer thread saves.
+            "nice-0": lambda rep: wonderland_loop(
+                task, config, args.steps, True, folder / f"n0{rep}", loop_nice=0
+            ),
+            # The plain loop in a thread as much nicer as a stage's default (loop_nice): what
+            # the same change gives a hand-written DeepSpeed loop.
+            "raw-nice": lambda rep: raw_nicer(lambda: raw_loop(task, config, args.steps)),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         blocks: dict[str, list[float]] = {k: [] for k in sides}
@@ -461,9 +486,10 @@ def main() -> None:
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)
-        # Under the GIL switch interval a stage trains with (engine.fit sets it): the writer
-        # thread and the fence then share the GIL as they do in a stage.
-        with short_gil_waits():
+        # Under the GIL switch interval and in the nicer thread a stage trains with (engine.fit
+        # sets both; DeepSpeed's side too): the writer thread, started inside, inherits the
+        # loop's nice value, and it and the fence share the GIL as they do in a stage.
+        with short_gil_waits(), nicer_thread(WonderlandSettings().loop_nice):
             result["save"] = save_bench(task, config, args.save, folder)
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))

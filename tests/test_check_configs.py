@@ -515,6 +515,18 @@ BROKEN = [
         "wonderland.async_save_copy",
     ),
     Broken(
+        "wonderland-loop_nice-above-19",
+        {"wonderland.loop_nice": 20},
+        "wonderland-settings",
+        "wonderland.loop_nice",
+    ),
+    Broken(
+        "wonderland-loop_nice-string",
+        {"wonderland.loop_nice": "high"},
+        "wonderland-settings",
+        "wonderland.loop_nice",
+    ),
+    Broken(
         "wonderland-train_steps-string",
         {"wonderland.train_steps": "100"},
         "wonderland-settings",

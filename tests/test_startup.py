@@ -154,8 +154,10 @@ def test_fit_trains_with_short_gil_waits_and_restores_the_interval(monkeypatch):
     writer threads hold the GIL in bursts; the loop would wait up to 5 ms for it), keeps a
     smaller interval the caller set, and restores the caller's after, also after a failure."""
     import sys
+    import types
 
     from wonderland_ds import engine
+    from wonderland_ds.settings import WonderlandSettings
 
     seen: list[float] = []
 
@@ -167,17 +169,18 @@ def test_fit_trains_with_short_gil_waits_and_restores_the_interval(monkeypatch):
 
     monkeypatch.setattr(engine, "_fit", fake_fit)
     before = sys.getswitchinterval()
+    run = types.SimpleNamespace(settings=WonderlandSettings(loop_nice=0))
     try:
         sys.setswitchinterval(0.005)
-        assert engine.fit(None, None, None, None) == {"ok": True}
+        assert engine.fit(run, None, None, None) == {"ok": True}
         assert seen[-1] == pytest.approx(
             0.0005, rel=0.05
         ) and sys.getswitchinterval() == pytest.approx(0.005)
         with pytest.raises(RuntimeError):
-            engine.fit(None, None, None, None, verify=True)
+            engine.fit(run, None, None, None, verify=True)
         assert sys.getswitchinterval() == pytest.approx(0.005)
         sys.setswitchinterval(0.0002)  # the caller's own, smaller: kept
-        engine.fit(None, None, None, None)
+        engine.fit(run, None, None, None)
         assert seen[-1] == pytest.approx(
             0.0002, rel=0.05
         ) and sys.getswitchinterval() == pytest.approx(0.0002, rel=0.05)

@@ -123,6 +123,10 @@ class WonderlandSettings(_Strict):
     update waits for that copy only (costs one host copy of this rank's state, kept between
     saves). false: the writer serializes them straight from the live tensors, no extra
     memory, and the update waits until they are serialized."""
+    loop_nice: int = Field(10, ge=0, le=19)
+    """The step loop's thread runs this much nicer (Linux nice value) while a stage trains, so
+    the threads that complete a collective (gloo's, NCCL's proxy) get its core as soon as they
+    wake; 0: unchanged."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)
