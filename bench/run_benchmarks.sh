@@ -30,6 +30,8 @@ for z in 1 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --ste
 launch 2 steps_digits_20x_z2 --task digits --zero 2 --steps 100 --reps 20 --sides wonderland,guards-off,raw-again,check-blocking
 #     and what the GIL switch interval engine.fit trains with saves (30 repetitions)
 launch 2 steps_digits_30x_z1_gil --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,gil-5ms,raw-again
+#     and what the nicer loop thread (wonderland.loop_nice) saves, and gives a plain loop
+launch 2 steps_digits_30x_z1_nice --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,nice-0,raw-nice,raw-again
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks; DeepSpeed sync against wonderland
 #    with async_save_copy (wl_*) and without (serialize_*), alternating
 launch 2 save_pylm_25m --task pylm --dim 512 --layers 8 --micro 2 --gas 1 --zero 2 --skip-steps --save 8

@@ -639,9 +639,10 @@ def nicer_thread(increment: int) -> Iterator[str | None]:
     the rendezvous store). When such a thread wakes while the loop computes on its core,
     Linux lets it run only once the loop's slice is used up (wake-up preemption needs a
     vruntime lead), and every rank waits at the next collective for it. A nicer loop thread
-    lets them in at once. Measured on digits ZeRO-1 (2 ranks, 2 cores, 20 repetitions side
-    by side): the stage 1.08-1.10 of a plain DeepSpeed loop at nice 0, 1.01-1.03 at +10; the
-    plain loop itself 0.96-0.99 at +10 (BENCHMARKS.md section 2).
+    lets them in at once. Measured on digits ZeRO-1 (2 ranks, 2 cores, 20-30 repetitions side
+    by side, three runs): the stage 1.04-1.10 of a plain DeepSpeed loop by median at nice 0,
+    1.03-1.06 at +10; the plain loop itself 0.95-0.99 at +10; gloo's work threads waited
+    2.2-2.5 ms a step in the run queue at nice 0, 1.6-1.8 ms at +10 (BENCHMARKS.md section 2).
 
     Only this thread changes: Linux keeps a nice value per thread (setpriority(2) with a
     thread id), and threads it starts inside the block inherit it (the metrics and checkpoint
