@@ -216,8 +216,8 @@ def gil_5ms(run):
         engine.SWITCH_INTERVAL_S = before
 
 
-def raw_nicer(run):
-    """``run()`` in a thread as much nicer as a stage's default ``loop_nice``."""
+def stage_nice(run):
+    """``run()`` in a thread as much nicer as a stage's default ``loop_nice`` (engine.fit)."""
     with nicer_thread(WonderlandSettings().loop_nice):
         return run()
 
@@ -458,7 +458,7 @@ def main() -> None:
             ),
             # The plain loop in a thread as much nicer as a stage's default (loop_nice): what
             # the same change gives a hand-written DeepSpeed loop.
-            "raw-nice": lambda rep: raw_nicer(lambda: raw_loop(task, config, args.steps)),
+            "raw-nice": lambda rep: stage_nice(lambda: raw_loop(task, config, args.steps)),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         blocks: dict[str, list[float]] = {k: [] for k in sides}
@@ -489,8 +489,8 @@ def main() -> None:
         # Under the GIL switch interval and in the nicer thread a stage trains with (engine.fit
         # sets both; DeepSpeed's side too): the writer thread, started inside, inherits the
         # loop's nice value, and it and the fence share the GIL as they do in a stage.
-        with short_gil_waits(), nicer_thread(WonderlandSettings().loop_nice):
-            result["save"] = save_bench(task, config, args.save, folder)
+        with short_gil_waits():
+            result["save"] = stage_nice(lambda: save_bench(task, config, args.save, folder))
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))
         import shutil
