@@ -11,8 +11,11 @@ Sides: ``raw`` (a hand-written DeepSpeed loop: in-memory batches, forward/backwa
 loss .item() a step as every real loop logs it), ``wonderland`` (engine.fit with the guards on,
 defaults, no saves inside the timed window), ``guards-off``, ``check-every-step``,
 ``check-blocking`` (guards.overlap_check false), ``gil-5ms`` (the stage loop under Python's
-default GIL switch interval instead of engine.fit's 0.5 ms) and ``raw-again`` (raw once more:
-the noise floor of every ratio). With ``--save`` it also times
+default GIL switch interval instead of engine.fit's 0.5 ms), ``nice-0`` (wonderland.loop_nice
+0), ``slice-off`` (wonderland.gloo_slice_us 0), ``raw-nice`` and ``raw-sched`` (the plain loop
+in a nicer thread, and with gloo's threads at a short slice too: what engine.fit's scheduling
+changes give a hand-written loop) and ``raw-again`` (raw once more: the noise floor of every
+ratio). With ``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
 (time the loop is blocked, and time until the checkpoint is complete), with the default
 ``async_save_copy`` (``wl_*``) and without it (``serialize_*``), plus the disk's sequential
@@ -40,6 +43,7 @@ from disk import write_speed  # noqa: E402
 
 from wonderland_ds import async_ckpt, cache, tasks  # noqa: E402
 from wonderland_ds import distributed as dist  # noqa: E402
+from wonderland_ds.comm_threads import short_gloo_slices  # noqa: E402
 from wonderland_ds.engine import (  # noqa: E402
     Progress,
     StageRun,
@@ -168,16 +172,17 @@ def wonderland_loop(
     steps: int,
     guards: bool,
     run_dir: Path,
-    loop_nice: int | None = None,
+    settings: dict | None = None,
     **guard_settings,
 ) -> list[float]:
     # Default settings (progress line, metrics sink, guards) except that no checkpoint is
     # saved inside the timed window (saves are benchmarked on their own, --save).
-    # guard_settings: guards.* fields changed from their defaults (another side); loop_nice:
-    # wonderland.loop_nice changed from its default (another side).
+    # guard_settings: guards.* fields changed from their defaults (another side); settings:
+    # wonderland.* fields changed from their defaults (another side).
     g = Guards(enabled=guards, **guard_settings)
-    nice = {} if loop_nice is None else {"loop_nice": loop_nice}
-    settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g, **nice)
+    settings = WonderlandSettings(
+        train_steps=steps, save_interval=10**9, guards=g, **(settings or {})
+    )
     from wonderland_ds.ds_config import DSConfig
 
     run = StageRun(
@@ -219,6 +224,14 @@ def gil_5ms(run):
 def stage_nice(run):
     """``run()`` in a thread as much nicer as a stage's default ``loop_nice`` (engine.fit)."""
     with nicer_thread(WonderlandSettings().loop_nice):
+        return run()
+
+
+def stage_sched(run):
+    """``run()`` as engine.fit runs a stage's loop by default: in a nicer thread
+    (``loop_nice``) and with gloo's threads at a short time slice (``gloo_slice_us``)."""
+    defaults = WonderlandSettings()
+    with nicer_thread(defaults.loop_nice), short_gloo_slices(defaults.gloo_slice_us):
         return run()
 
 
@@ -422,6 +435,8 @@ def main() -> None:
             "gil-5ms": [],
             "nice-0": [],
             "raw-nice": [],
+            "slice-off": [],
+            "raw-sched": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
@@ -454,11 +469,19 @@ def main() -> None:
             # wonderland.loop_nice 0: the stage loop at the usual priority instead of the
             # nicer thread engine.fit trains in, to show what the nicer thread saves.
             "nice-0": lambda rep: wonderland_loop(
-                task, config, args.steps, True, folder / f"n0{rep}", loop_nice=0
+                task, config, args.steps, True, folder / f"n0{rep}", {"loop_nice": 0}
+            ),
+            # wonderland.gloo_slice_us 0: gloo's threads at their usual time slice instead of
+            # the short one engine.fit gives them, to show what the short slice saves.
+            "slice-off": lambda rep: wonderland_loop(
+                task, config, args.steps, True, folder / f"s0{rep}", {"gloo_slice_us": 0}
             ),
             # The plain loop in a thread as much nicer as a stage's default (loop_nice): what
             # the same change gives a hand-written DeepSpeed loop.
             "raw-nice": lambda rep: stage_nice(lambda: raw_loop(task, config, args.steps)),
+            # The plain loop under both of engine.fit's scheduling changes (loop_nice and
+            # gloo_slice_us): what they give a hand-written DeepSpeed loop.
+            "raw-sched": lambda rep: stage_sched(lambda: raw_loop(task, config, args.steps)),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         blocks: dict[str, list[float]] = {k: [] for k in sides}
@@ -486,11 +509,12 @@ def main() -> None:
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)
-        # Under the GIL switch interval and in the nicer thread a stage trains with (engine.fit
-        # sets both; DeepSpeed's side too): the writer thread, started inside, inherits the
-        # loop's nice value, and it and the fence share the GIL as they do in a stage.
+        # Under the GIL switch interval, in the nicer thread and with gloo's short slices a
+        # stage trains with (engine.fit sets all three; DeepSpeed's side too): the writer
+        # thread, started inside, inherits the loop's nice value, and it and the fence share
+        # the GIL as they do in a stage.
         with short_gil_waits():
-            result["save"] = stage_nice(lambda: save_bench(task, config, args.save, folder))
+            result["save"] = stage_sched(lambda: save_bench(task, config, args.save, folder))
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))
         import shutil

@@ -29,6 +29,18 @@ def run_bench(cmd: list[str], out: Path, timeout: int) -> dict:
     return json.loads(out.read_text())
 
 
+SIDES = (
+    "raw",
+    "wonderland",
+    "guards-off",
+    "check-every-step",
+    "check-blocking",
+    "nice-0",
+    "slice-off",
+    "raw-sched",
+)
+
+
 def test_engine_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "r.json"
     cmd = [
@@ -51,12 +63,14 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
         "1",
         "--save",
         "1",
+        "--sides",
+        ",".join(SIDES),
         "--out",
         str(out),
     ]
     res = run_bench(cmd, out, 300)
     assert res["world"] == 2
-    for side in ("raw", "wonderland", "guards-off", "check-every-step", "check-blocking"):
+    for side in SIDES:
         (t,) = res["mean_step_s"][side]
         assert 0 < t < 5, (side, t)
         (b,) = res["block_q25_step_s"][side]

@@ -527,6 +527,18 @@ BROKEN = [
         "wonderland.loop_nice",
     ),
     Broken(
+        "wonderland-gloo_slice_us-below-the-kernel's-0.1-ms",
+        {"wonderland.gloo_slice_us": 50},
+        "wonderland-settings",
+        "wonderland.gloo_slice_us",
+    ),
+    Broken(
+        "wonderland-gloo_slice_us-string",
+        {"wonderland.gloo_slice_us": "short"},
+        "wonderland-settings",
+        "wonderland.gloo_slice_us",
+    ),
+    Broken(
         "wonderland-train_steps-string",
         {"wonderland.train_steps": "100"},
         "wonderland-settings",

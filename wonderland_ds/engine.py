@@ -28,6 +28,7 @@ import torch
 from . import async_ckpt, faults, health, manifest, startup
 from . import checkpoint as ck
 from . import distributed as dist
+from .comm_threads import short_gloo_slices
 from .data import GlobalSampler, LoaderState, Prefetcher
 from .ds_config import DSConfig
 from .findings import Finding, GuardStop, Refused
@@ -637,9 +638,9 @@ def nicer_thread(increment: int) -> Iterator[str | None]:
     Why (``wonderland.loop_nice``): the step loop is one thread per rank doing compute, and a
     collective completes on other threads (gloo's work and TCP threads, NCCL's proxy thread,
     the rendezvous store). When such a thread wakes while the loop computes on its core,
-    Linux lets it run only once the loop's slice is used up (wake-up preemption needs a
-    vruntime lead), and every rank waits at the next collective for it. A nicer loop thread
-    lets them in at once. Measured on digits ZeRO-1 (2 ranks, 2 cores, 20-30 repetitions side
+    Linux lets it run only once the loop's slice is used up, and every rank waits at the next
+    collective for it. A nicer loop thread lets them in sooner (and gloo's threads get a
+    shorter slice too: comm_threads.short_gloo_slices). Measured on digits ZeRO-1 (2 ranks, 2 cores, 20-30 repetitions side
     by side, three runs): the stage 1.04-1.10 of a plain DeepSpeed loop by median at nice 0,
     1.03-1.06 at +10; the plain loop itself 0.95-0.99 at +10; gloo's work threads waited
     2.2-2.5 ms a step in the run queue at nice 0, 1.6-1.8 ms at +10 (BENCHMARKS.md section 2).
@@ -676,11 +677,22 @@ def fit(
 ) -> dict[str, Any]:
     """Train until the stage's step budget under the guards; save every ``save_interval``
     and at the end."""
-    with short_gil_waits(), nicer_thread(run.settings.loop_nice) as why_not:
+    with (
+        short_gil_waits(),
+        nicer_thread(run.settings.loop_nice) as why_not,
+        short_gloo_slices(run.settings.gloo_slice_us) as why_not_gloo,
+    ):
         if why_not is not None and dist.is_main():
             print(
                 f"[wonderland] loop_nice {run.settings.loop_nice} not applied ({why_not}):"
                 " the step loop runs at its usual priority",
+                file=sys.stderr,
+                flush=True,
+            )
+        if why_not_gloo is not None and dist.is_main():
+            print(
+                f"[wonderland] gloo_slice_us {run.settings.gloo_slice_us} not applied"
+                f" ({why_not_gloo}): gloo's threads keep their time slice",
                 file=sys.stderr,
                 flush=True,
             )

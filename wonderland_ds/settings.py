@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -127,6 +127,10 @@ class WonderlandSettings(_Strict):
     """The step loop's thread runs this much nicer (Linux nice value) while a stage trains, so
     the threads that complete a collective (gloo's, NCCL's proxy) get its core as soon as they
     wake; 0: unchanged."""
+    gloo_slice_us: int = Field(100, ge=0, le=100_000)
+    """gloo's threads run with a Linux time slice of this many microseconds while a stage
+    trains (Linux 6.12+), so they preempt the computing step loop as soon as they wake; 0:
+    unchanged. Linux takes 100-100000."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)
@@ -137,6 +141,15 @@ class WonderlandSettings(_Strict):
     """Print a progress line every this many steps on rank 0."""
     eval: EvalGate = Field(default_factory=EvalGate)
     guards: Guards = Field(default_factory=Guards)
+
+    @field_validator("gloo_slice_us")
+    @classmethod
+    def _kernel_slice(cls, value: int) -> int:
+        if 0 < value < 100:
+            raise ValueError(
+                "Linux takes time slices of 100-100000 us; 0 leaves gloo's as they are"
+            )
+        return value
 
     @model_validator(mode="after")
     def _stage_keys(self) -> WonderlandSettings:
