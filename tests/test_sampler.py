@@ -105,3 +105,61 @@ def test_prefetcher_judges_its_source_by_the_median_read(first, threaded):
         p.next()
     p.close()
     assert x.reads >= 8 and p.threaded == threaded
+
+
+class _CountedSource:
+    """An array that counts its reads (fancy-indexed gathers)."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a, self.reads = a, 0
+        self.shape, self.dtype = a.shape, a.dtype
+
+    def __getitem__(self, idx):
+        self.reads += 1
+        return self.a[idx]
+
+
+@pytest.mark.parametrize(
+    ("chunk_steps", "chunk_bytes", "reads"),
+    [
+        (16, 1 << 20, 8 + 2),  # 8 timed reads, then chunks of 16 steps: 16 + 6 of 30
+        (5, 1 << 20, 8 + 5),  # chunks of 5: 5 + 5 + 5 + 5 + 2
+        (16, 1, 30),  # a chunk may hold no step: one step a read
+        (1, 1 << 20, 30),
+    ],
+)
+def test_prefetcher_reads_chunks_of_steps_with_the_same_batches(chunk_steps, chunk_bytes, reads):
+    """Read in the loop, the steps after the timed first reads come in chunks (fewer numpy
+    calls on cold CPU caches); positions, samples and digests are the same as a step at a
+    time, across epoch boundaries (200 samples, 16 a step) and up to the last step."""
+    from wonderland_ds.data import Prefetcher
+
+    xa = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
+    x, y = _CountedSource(xa), np.arange(200, dtype=np.int64)
+    s = GlobalSampler(200, seed=5)
+    p = Prefetcher(
+        x,
+        y,
+        s,
+        40,
+        4,
+        2,
+        2,
+        1,
+        30,
+        thread_above_s=10.0,
+        chunk_steps=chunk_steps,
+        chunk_bytes=chunk_bytes,
+    )
+    got = [p.next() for _ in range(60)]
+    with pytest.raises(StopIteration):
+        p.next()
+    p.close()
+    assert not p.threaded and x.reads == reads
+    for i, mb in enumerate(got):
+        step, m = divmod(i, 2)
+        pos = 40 + step * 16 + (m * 2 + 1) * 4
+        assert mb.position == pos
+        assert mb.y.tolist() == s.indices(pos, 4).tolist()
+        assert np.array_equal(mb.x.numpy(), xa[s.indices(pos, 4)])
+        assert mb.digest == sample_digest(s.indices(pos, 4))
