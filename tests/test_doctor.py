@@ -57,6 +57,7 @@ def test_doctor_json_on_this_machine(report):
         "doctor-async-errors",
         "doctor-ds-env",
         "doctor-disk",
+        "doctor-time-slices",
     ):
         assert rule in rules, rule
     (ds,) = by_rule(report["checks"], "doctor-deepspeed")
@@ -206,3 +207,25 @@ def test_prebuild_unknown_op_is_refused(tmp_path, capsys):
     assert cli.main(["doctor", "--prebuild", "no_such_op", "--run-dir", str(tmp_path)]) == 2
     out = capsys.readouterr().out
     assert "unknown op(s) ['no_such_op']" in out and "deepspeed_shm_comm" in out
+
+
+def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
+    from wonderland_ds import comm_threads
+
+    found = doctor.check_time_slices()
+    assert found.rule == "doctor-time-slices"
+    expected = "ok" if comm_threads.slices_supported() is None else "info"
+    assert found.severity == expected, found
+
+    real_get = comm_threads._Sched.get
+
+    def old_kernel(self, tid):
+        attr = real_get(self, tid)
+        attr.sched_runtime = 0  # what Linux before 6.12 reports for a SCHED_OTHER thread
+        return attr
+
+    if not isinstance(comm_threads._sched(), str):  # else the platform is the reason already
+        monkeypatch.setattr(comm_threads._Sched, "get", old_kernel)
+    found = doctor.check_time_slices()
+    assert found.severity == "info" and "gloo_slice_us does nothing here" in found.message
+    assert '"gloo_slice_us": 0' in found.fix

@@ -94,6 +94,22 @@ def _sched() -> _Sched | str:
     return _Sched(numbers)
 
 
+def slices_supported() -> str | None:
+    """None where a thread's time slice can be set here, or why not."""
+    sched = _sched()
+    if isinstance(sched, str):
+        return sched
+    import threading
+
+    try:
+        attr = sched.get(threading.get_native_id())
+    except OSError as exc:
+        return f"sched_getattr failed: {exc.strerror}"
+    if attr.sched_runtime == 0:
+        return f"this kernel ({platform.release()}) has no per-thread time slices (6.12+)"
+    return None
+
+
 @contextlib.contextmanager
 def short_gloo_slices(slice_us: int) -> Iterator[str | None]:
     """gloo's threads at a time slice of ``slice_us`` microseconds inside the block, then
@@ -114,7 +130,7 @@ def short_gloo_slices(slice_us: int) -> Iterator[str | None]:
             if attr.sched_policy not in _FAIR:
                 continue  # real-time or idle: someone chose that; a slice does not apply
             if attr.sched_runtime == 0:  # before 6.12 the kernel reports no fair slice
-                why = f"this kernel ({platform.release()}) has no per-thread time slices (6.12+)"
+                why = slices_supported() or "the kernel reports no time slice"
                 break
             before = _SchedAttr.from_buffer_copy(attr)
             attr.sched_runtime = slice_us * 1000

@@ -209,6 +209,26 @@ def check_nccl() -> Finding:
     return Finding("doctor-nccl", "ok", f"NCCL {text} (bundled with torch)")
 
 
+def check_time_slices() -> Finding:
+    """Whether ``wonderland.gloo_slice_us`` can act on this host (Linux 6.12+)."""
+    from .comm_threads import slices_supported
+
+    why = slices_supported()
+    if why is None:
+        return Finding(
+            "doctor-time-slices",
+            "ok",
+            f"Linux {platform.release()}: per-thread time slices (wonderland.gloo_slice_us applies)",
+        )
+    return Finding(
+        "doctor-time-slices",
+        "info",
+        f"{why}: wonderland.gloo_slice_us does nothing here and a stage says so once at its start",
+        'set "gloo_slice_us": 0 in the config\'s "wonderland" section to silence the note, or'
+        " run on Linux 6.12 or later",
+    )
+
+
 # ----------------------------------------------------------------- DeepSpeed
 
 
@@ -830,6 +850,7 @@ def run_checks(
     out += check_torch()
     out.append(check_nvcc(env))
     out.append(check_nccl())
+    out.append(check_time_slices())
     ds_config = None
     if config:
         found, ds_config, pg_timeout_s = check_config(config)
