@@ -65,13 +65,19 @@ def test_prefetcher_yields_the_same_batches_inline_or_threaded(threshold):
         p.next()
     p.close()
     assert p.threaded == (threshold == 0.0)
+    assert_rank1_stream(got, x, s)
+
+
+def assert_rank1_stream(got, x, s):
+    """``got``: rank 1's micro-batches (4 samples, 2 a step, 2 ranks) from position 40 on,
+    each as read alone, a step at a time."""
     for i, mb in enumerate(got):
         step, m = divmod(i, 2)
         pos = 40 + step * 16 + (m * 2 + 1) * 4
         assert mb.position == pos
         assert mb.y.tolist() == s.indices(pos, 4).tolist()
         assert np.array_equal(mb.x.numpy(), x[s.indices(pos, 4)])
-        assert mb.digest == sample_digest(s.indices(pos, 4))  # read a step at a time
+        assert mb.digest == sample_digest(s.indices(pos, 4))
 
 
 class _SlowSource:
@@ -156,10 +162,4 @@ def test_prefetcher_reads_chunks_of_steps_with_the_same_batches(chunk_steps, chu
         p.next()
     p.close()
     assert not p.threaded and x.reads == reads
-    for i, mb in enumerate(got):
-        step, m = divmod(i, 2)
-        pos = 40 + step * 16 + (m * 2 + 1) * 4
-        assert mb.position == pos
-        assert mb.y.tolist() == s.indices(pos, 4).tolist()
-        assert np.array_equal(mb.x.numpy(), xa[s.indices(pos, 4)])
-        assert mb.digest == sample_digest(s.indices(pos, 4))
+    assert_rank1_stream(got, xa, s)
