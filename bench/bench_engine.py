@@ -14,7 +14,8 @@ defaults, no saves inside the timed window), ``guards-off``, ``check-every-step`
 default GIL switch interval instead of engine.fit's 0.5 ms), ``nice-0`` (wonderland.loop_nice
 0), ``slice-off`` (wonderland.gloo_slice_us 0), ``raw-nice`` and ``raw-sched`` (the plain loop
 in a nicer thread, and with gloo's threads at a short slice too: what engine.fit's scheduling
-changes give a hand-written loop) and ``raw-again`` (raw once more: the noise floor of every
+changes give a hand-written loop), ``reads-1`` (the stage's loader reading one step at a time)
+and ``raw-again`` (raw once more: the noise floor of every
 ratio). With ``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
 (time the loop is blocked, and time until the checkpoint is complete), with the default
@@ -219,6 +220,18 @@ def gil_5ms(run):
         return run()
     finally:
         engine.SWITCH_INTERVAL_S = before
+
+
+def one_step_reads(run):
+    """``run()`` with the stage's loader reading one step at a time (data.CHUNK_STEPS 1)
+    instead of the 16 it reads at once in the step loop."""
+    from wonderland_ds import data
+
+    before, data.CHUNK_STEPS = data.CHUNK_STEPS, 1
+    try:
+        return run()
+    finally:
+        data.CHUNK_STEPS = before
 
 
 def stage_nice(run):
@@ -437,6 +450,7 @@ def main() -> None:
             "raw-nice": [],
             "slice-off": [],
             "raw-sched": [],
+            "reads-1": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
         sides = {k: v for k, v in sides.items() if k in wanted}
@@ -482,6 +496,11 @@ def main() -> None:
             # The plain loop under both of engine.fit's scheduling changes (loop_nice and
             # gloo_slice_us): what they give a hand-written DeepSpeed loop.
             "raw-sched": lambda rep: stage_sched(lambda: raw_loop(task, config, args.steps)),
+            # The stage's loader reading one step at a time, to show what reading several
+            # steps in one gather saves.
+            "reads-1": lambda rep: one_step_reads(
+                lambda: wonderland_loop(task, config, args.steps, True, folder / f"r1{rep}")
+            ),
         }
         cpu: dict[str, list[float]] = {k: [] for k in sides}
         blocks: dict[str, list[float]] = {k: [] for k in sides}

@@ -36,6 +36,8 @@ launch 2 steps_digits_30x_z1_nice --task digits --zero 1 --steps 100 --reps 30 -
 #     changes give a plain loop; ZeRO-1/2/3 and the language model
 launch 2 steps_digits_30x_z1_sched --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,slice-off,raw-sched,raw-again
 for z in 2 3; do launch 2 "steps_digits_20x_z${z}_sched" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland,slice-off,raw-sched,raw-again; done
+#     and what reading several steps in one gather saves
+launch 2 steps_digits_30x_z1_reads --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,reads-1,raw-again
 for z in 1 2 3; do launch 2 "steps_pylm_8x_z${z}_sched" --task pylm --zero "$z" --micro 8 --gas 2 --steps 40 --reps 8 --sides wonderland,slice-off,raw-sched,raw-again; done
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks; DeepSpeed sync against wonderland
 #    with async_save_copy (wl_*) and without (serialize_*), alternating

@@ -38,6 +38,7 @@ SIDES = (
     "nice-0",
     "slice-off",
     "raw-sched",
+    "reads-1",
 )
 
 

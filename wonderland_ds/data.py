@@ -76,6 +76,10 @@ def sample_digests(rows: np.ndarray) -> list[float]:
     return [float(d) for d in (((rows.astype(np.int64) + 1) * 2654435761) % 2147483647).sum(1)]
 
 
+#: Steps a loader reads at once in the step loop (Prefetcher's ``chunk_steps`` default).
+CHUNK_STEPS = 16
+
+
 @dataclass
 class MicroBatch:
     x: Any
@@ -116,7 +120,7 @@ class Prefetcher:
         depth: int = 16,
         thread_above_s: float = 2e-4,
         probe: int = 8,
-        chunk_steps: int = 16,
+        chunk_steps: int | None = None,
         chunk_bytes: int = 1 << 20,
     ) -> None:
         import queue
@@ -134,7 +138,8 @@ class Prefetcher:
         self._offsets = [(m * world + rank) * micro for m in range(gas)]
         self._sel = np.concatenate([np.arange(o, o + micro) for o in self._offsets])
         row = sum(np.dtype(a.dtype).itemsize * math.prod(a.shape[1:]) for a in (x, y))
-        self._chunk = max(1, min(chunk_steps, chunk_bytes // max(1, row * micro * gas)))
+        steps_at_once = CHUNK_STEPS if chunk_steps is None else chunk_steps
+        self._chunk = max(1, min(steps_at_once, chunk_bytes // max(1, row * micro * gas)))
         self._next_step = 0
         self._ready: list[MicroBatch] = []  # the rest of the step read inline, in order
         self._probe, self._threshold = probe, thread_above_s
