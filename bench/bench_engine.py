@@ -211,15 +211,21 @@ def wonderland_loop(
     return [b - a for a, b in zip(wall, wall[1:])]
 
 
+def with_constant(module, name: str, value, run):
+    """``run()`` with ``module.name`` set to ``value``, then as it was."""
+    before = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return run()
+    finally:
+        setattr(module, name, before)
+
+
 def gil_5ms(run):
     """``run()`` with engine.fit's GIL switch interval at Python's default, 5 ms."""
     from wonderland_ds import engine
 
-    before, engine.SWITCH_INTERVAL_S = engine.SWITCH_INTERVAL_S, 0.005
-    try:
-        return run()
-    finally:
-        engine.SWITCH_INTERVAL_S = before
+    return with_constant(engine, "SWITCH_INTERVAL_S", 0.005, run)
 
 
 def one_step_reads(run):
@@ -227,11 +233,7 @@ def one_step_reads(run):
     instead of the 16 it reads at once in the step loop."""
     from wonderland_ds import data
 
-    before, data.CHUNK_STEPS = data.CHUNK_STEPS, 1
-    try:
-        return run()
-    finally:
-        data.CHUNK_STEPS = before
+    return with_constant(data, "CHUNK_STEPS", 1, run)
 
 
 def stage_nice(run):
