@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.util import REPO, digests, losses, wonderland
 
@@ -77,6 +76,7 @@ def test_stage15_checkpoints_hold_the_contract(reference):
         "epoch": 1,
         "fingerprint": m["data"]["fingerprint"],
         "dataset_size": 1116,
+        "order": "feistel-1",
     }
     assert len(m["norm_stats"]["mean"]) == 64 and m["versions"]["deepspeed"].startswith("0.19")
     names = set(m["files"])
@@ -214,9 +214,13 @@ def test_pipeline_15_to_18_bf16(tmp_path):
     m = meta(run / "stage16" / "checkpoints" / "global_step80")
     assert m["precision"] == "bf16" and m["stage"] == 16
     export = json.loads((run / "stage18" / "export.json").read_text())
-    state = torch.load(run / "stage18" / "model.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    state = load_file(run / "stage18" / "model.safetensors")
     assert export["source"].endswith("stage16/checkpoints/global_step80")
+    assert export["format"] == "safetensors" and set(export["files"]) == {"model.safetensors"}
     assert "norm.mean" in state and "proj.weight" in state  # buffers and frozen weights too
+    assert not any(k.startswith("module.") for k in state)  # the model's own names
 
 
 @pytest.mark.nightly

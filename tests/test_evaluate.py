@@ -273,13 +273,13 @@ def test_lm_metrics_per_source_and_gate():
 
     from wonderland_ds.evaluate import lm_gate, lm_metrics
 
-    sums = np.array([128 * 2.0, 128 * 4.0, 128 * 3.0])  # summed next-byte losses per sample
-    m = lm_metrics(sums, 128, ["os", "json", "os"])
+    totals = {"os": (128 * 5.0, 256), "json": (128 * 4.0, 128)}  # (summed loss, tokens)
+    m = lm_metrics(totals)
     assert m["tokens"] == 384 and abs(m["loss"] - 3.0) < 1e-12
     per = {r["source"]: r for r in m["per_source"]}
     assert per["os"]["loss"] == 2.5 and per["json"]["tokens"] == 128
     assert abs(per["json"]["perplexity"] - math.exp(4.0)) < 1e-9
-    worse = lm_metrics(np.array([128 * 2.0, 128 * 5.0, 128 * 3.0]), 128, ["os", "json", "os"])
+    worse = lm_metrics({"os": (128 * 5.0, 256), "json": (128 * 5.0, 128)})
     (f,) = lm_gate(worse, m, 0.10)
     assert f.rule == "gate-loss-rise" and f.path == "json"
     assert lm_gate(m, m, 0.10)[0].severity == "ok"

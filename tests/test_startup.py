@@ -136,12 +136,13 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
 
     class Task:
         name = "probe"
+        train = None
 
         def materialize(self):
             seen.append(gc.isenabled())
             return self
 
-    monkeypatch.setattr(tasks, "load", lambda spec: Task())
+    monkeypatch.setattr(tasks, "load", lambda spec, settings=None: Task())
     startup.hold()
     args = argparse.Namespace(task="anything")
     got, _ = stage._task_data(args, WonderlandSettings(), tmp_path, check_stale=True)

@@ -74,7 +74,11 @@ def read_index(out: Path) -> dict[str, Any] | None:
 
 def write(task: Task, out: Path) -> tuple[dict[str, Any], list[Finding]]:
     """Cache ``task``'s splits in ``out`` (idempotent; refuses a different dataset)."""
-    assert task.train is not None and task.heldout is not None
+    if not isinstance(task.train, Split) or not isinstance(task.heldout, Split):
+        raise Refused(
+            f"task {task.name!r} reads its data in place (token files): there is nothing to cache",
+            "train on it directly; wonderland cache is for tasks whose make_splits builds arrays",
+        )
     fp = fingerprint(task.train, task.name)
     if out.exists():
         index = read_index(out)

@@ -38,6 +38,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     for path in args.configs:
         found = ds_config.check_file(path, world, stages)
         findings += found or [Finding("config", "ok", "valid", "", path)]
+        if not has_errors(found):
+            findings += _task_findings(path, args.task)
     render(findings, args.json)
     if not args.json:
         n_err = sum(f.severity == "error" for f in findings)
@@ -45,6 +47,22 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdict = "refused" if n_err else "ok"
         print(f"{verdict}: {len(args.configs)} config(s), {n_err} error(s), {n_warn} warning(s)")
     return EXIT_REFUSED if has_errors(findings) else EXIT_OK
+
+
+def _task_findings(path: str, spec: str | None) -> list[Finding]:
+    """The task check for a valid config that names a user task, or for ``--task``."""
+    from . import ds_config
+    from .task_check import check_task, names_a_task
+
+    raw, _ = ds_config.load_json(path)
+    assert raw is not None
+    spec = spec or names_a_task(raw)
+    if spec is None:
+        return []
+    _, settings, _ = ds_config.validate(raw, path)
+    assert settings is not None
+    micro = raw.get("train_micro_batch_size_per_gpu")
+    return check_task(spec, settings, micro if isinstance(micro, int) and micro > 0 else 1, path)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -93,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hostfile", help="hostfile whose slots give the world size")
     p.add_argument("--world-size", type=positive, help="data-parallel size (default: hostfile)")
     p.add_argument("--stage", type=stage_number, help="apply the rules for this stage (e.g. 16)")
+    p.add_argument(
+        "--task",
+        help="also build this task's model and run one forward and loss on one micro-batch of"
+        " its data (default: the config's task when it is causal-lm or module:function)",
+    )
     p.add_argument("--json", action="store_true", help="print findings as a JSON list")
     p.set_defaults(func=cmd_check)
 

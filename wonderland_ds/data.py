@@ -1,6 +1,8 @@
 """A deterministic, resumable sampler: the global order depends on (seed, epoch) only.
 
-Position ``p`` in the stream is sample ``perm(seed, p // N)[p % N]``. Step ``s`` consumes the
+Position ``p`` in the stream is sample ``perm(seed, p // N)[p % N]``, where ``perm`` is a seeded
+bijection of ``[0, N)`` computed per position (a Feistel network with cycle walking): no
+permutation is ever materialized, so memory is O(1) in the number of samples. Step ``s`` consumes the
 global batch ``[p, p + B)`` with ``B = micro x grad_acc x world``, split across micro-steps and
 ranks by position, so the samples of a step are the same for any world size and any micro /
 grad-acc split with the same global batch. The state is the number of samples consumed: a
@@ -16,6 +18,10 @@ from typing import Any
 
 import numpy as np
 
+ORDER = "feistel-1"
+"""The name of the stream's order, recorded with the loader state: a checkpoint whose data
+order was computed another way is not resumed as if it were the same stream."""
+
 
 @dataclass(frozen=True)
 class LoaderState:
@@ -23,6 +29,7 @@ class LoaderState:
     samples_consumed: int
     fingerprint: str
     dataset_size: int
+    order: str = ORDER
 
     @property
     def epoch(self) -> int:
@@ -32,29 +39,59 @@ class LoaderState:
         return {**asdict(self), "epoch": self.epoch}
 
 
+_ROUNDS = 6
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    # splitmix64's finalizer: a well-mixed 64-bit hash of each element (uint64 arithmetic
+    # wraps, which is the point).
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 class GlobalSampler:
     def __init__(self, n: int, seed: int) -> None:
         self.n, self.seed = n, seed
-        self._perms: dict[int, np.ndarray] = {}
+        bits = max(2, (n - 1).bit_length())
+        self._half = (bits + 1) // 2  # a balanced network on 2 * half bits >= n
+        self._keys: dict[int, np.ndarray] = {}
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) > 2:
-                self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._perms[epoch]
+    def _round_keys(self, epoch: int) -> np.ndarray:
+        if epoch not in self._keys:
+            if len(self._keys) > 2:
+                self._keys.pop(min(self._keys))
+            self._keys[epoch] = np.random.default_rng([self.seed, epoch]).integers(
+                0, 2**63, size=_ROUNDS, dtype=np.uint64
+            )
+        return self._keys[epoch]
+
+    def permute(self, epoch: int, at: np.ndarray) -> np.ndarray:
+        """``perm(seed, epoch)[at]``: a bijection of ``[0, n)``, one position at a time."""
+        keys, half = self._round_keys(epoch), np.uint64(self._half)
+        low = np.uint64((1 << self._half) - 1)
+        out = np.asarray(at, dtype=np.uint64).copy()
+        todo = np.arange(len(out))
+        while len(todo):  # cycle walking: re-encrypt what lands outside [0, n)
+            v = out[todo]
+            left, right = v >> half, v & low
+            for k in keys:
+                left, right = right, left ^ (_mix(right + k) & low)
+            v = (left << half) | right
+            out[todo] = v
+            todo = todo[v >= np.uint64(self.n)]
+        return out.astype(np.int64)
 
     def indices(self, start: int, count: int) -> np.ndarray:
         """Dataset indices of stream positions ``[start, start + count)``."""
+        pos = np.arange(start, start + count, dtype=np.int64)
         epoch = start // self.n
-        if (start + count - 1) // self.n == epoch:  # within one epoch: a slice (most reads)
-            at = start - epoch * self.n
-            return self._perm(epoch)[at : at + count].astype(np.int64, copy=True)
-        pos = np.arange(start, start + count)
+        if (start + count - 1) // self.n == epoch:  # within one epoch (most reads)
+            return self.permute(epoch, pos - epoch * self.n)
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(pos // self.n):
             sel = pos // self.n == epoch
-            out[sel] = self._perm(int(epoch))[pos[sel] % self.n]
+            out[sel] = self.permute(int(epoch), pos[sel] % self.n)
         return out
 
     def micro_batch(
@@ -107,8 +144,8 @@ class Prefetcher:
 
     def __init__(
         self,
-        x: np.ndarray,
-        y: np.ndarray,
+        x: Any,
+        y: np.ndarray | None,
         sampler: GlobalSampler,
         start: int,
         micro: int,
@@ -129,7 +166,13 @@ class Prefetcher:
         self.wait_s = 0.0
         # Plain ndarray views of the memory maps: fancy indexing an np.memmap builds memmap
         # subclass objects on every read.
-        x, y = (np.asarray(a) if isinstance(a, np.memmap) else a for a in (x, y))
+        if y is None:  # x is a dataset with take(indices) -> (x, y): token files
+            self._take = x.take
+            row = x.row_bytes
+        else:
+            x, y = (np.asarray(a) if isinstance(a, np.memmap) else a for a in (x, y))
+            self._take = None
+            row = sum(np.dtype(a.dtype).itemsize * math.prod(a.shape[1:]) for a in (x, y))
         self._x, self._y, self._sampler, self._x_dtype = x, y, sampler, x_dtype
         self._start, self._micro, self._gas = start, micro, gas
         self._world, self._rank, self._steps = world, rank, steps
@@ -137,7 +180,6 @@ class Prefetcher:
         # is [(m * world + r) * micro, ... + micro).
         self._offsets = [(m * world + rank) * micro for m in range(gas)]
         self._sel = np.concatenate([np.arange(o, o + micro) for o in self._offsets])
-        row = sum(np.dtype(a.dtype).itemsize * math.prod(a.shape[1:]) for a in (x, y))
         steps_at_once = CHUNK_STEPS if chunk_steps is None else chunk_steps
         self._chunk = max(1, min(steps_at_once, chunk_bytes // max(1, row * micro * gas)))
         self._next_step = 0
@@ -159,9 +201,15 @@ class Prefetcher:
         idx = idx.reshape(-1)
         order = np.argsort(idx)  # sorted reads are kinder to a memory map
         n = len(idx)
-        xs = np.empty((n, *self._x.shape[1:]), self._x.dtype)
-        ys = np.empty((n, *self._y.shape[1:]), self._y.dtype)
-        xs[order], ys[order] = self._x[idx[order]], self._y[idx[order]]
+        if self._take is not None:
+            xo, yo = self._take(idx[order])
+            xs, ys = np.empty_like(xo), np.empty_like(yo)
+            xs[order], ys[order] = xo, yo
+        else:
+            assert self._y is not None
+            xs = np.empty((n, *self._x.shape[1:]), self._x.dtype)
+            ys = np.empty((n, *self._y.shape[1:]), self._y.dtype)
+            xs[order], ys[order] = self._x[idx[order]], self._y[idx[order]]
         tx, ty = torch.from_numpy(xs), torch.from_numpy(ys)
         if self._x_dtype is not None and tx.is_floating_point():
             tx = tx.to(self._x_dtype)

@@ -37,7 +37,7 @@ from .health import Event
 from .monitor import MetricsSink, guard_figures
 from .progress import ProgressDisplay
 from .settings import WonderlandSettings
-from .tasks import Normalize, Task, normalization_stats
+from .tasks import Normalize, Split, Task, normalization_stats
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -284,6 +284,7 @@ def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarra
     assert run.task.train is not None
     if not run.task.normalize:
         return Progress(0, 0, [], []), None
+    assert isinstance(run.task.train, Split)
     mean, std = normalization_stats(np.asarray(run.task.train.x))
     return Progress(0, 0, mean.tolist(), std.tolist()), (mean, std)
 
@@ -699,6 +700,18 @@ def fit(
         return _fit(run, engine, prog, log, verify)
 
 
+def _peak_rss_mb() -> float | None:
+    """This process's peak resident memory (Linux VmHWM), in MB; None elsewhere."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def _fit(
     run: StageRun, engine: Any, prog: Progress, log: Any, verify: bool = False
 ) -> dict[str, Any]:
@@ -727,9 +740,10 @@ def _fit(
     blocked: list[float] = []
 
     def loader_from(step: int) -> Prefetcher:
+        xy = (train.x, train.y) if isinstance(train, Split) else (train, None)
         return Prefetcher(
-            train.x,
-            train.y,
+            xy[0],
+            xy[1],
             GlobalSampler(len(train), run.seed),
             prog.samples_consumed,
             mb,
@@ -746,7 +760,7 @@ def _fit(
         manifest.update_stage(run.run_dir, run.stage, end_step=end)
     display, sink = None, None
     if log is not None:  # a real stage (benchmarks call fit without a log)
-        tokens = int(train.y.shape[1]) if run.task.kind == "lm" else None
+        tokens = train.tokens_per_sample if run.task.kind == "lm" else None
         display = ProgressDisplay(
             run.stage, end, first, batch, tokens_per_sample=tokens, every=run.settings.log_interval
         )
@@ -779,7 +793,7 @@ def _fit(
                 x, y = mbatch.x, mbatch.y
                 if not on_host:
                     x, y = x.to(engine.device), y.to(engine.device)
-                loss = run.task.loss(engine(x), y)
+                loss = run.task.batch_loss(engine, x, y)
                 loss = faults.corrupt_loss(run.fault, loss, step + 1, rank)
                 guards.micro(m == gas - 1)
                 engine.backward(loss)
@@ -895,8 +909,10 @@ def _fit(
     if rows and dist.is_main():
         write_metrics(run, rows, keep_upto=None)
     elapsed = time.perf_counter() - t_start
+    peak_rss = dist.gather_all(_peak_rss_mb())  # host memory per rank, for the record
     return {
         "steps": int(engine.global_steps) - first,
+        "peak_rss_mb": peak_rss,
         "final_loss": checks.last_loss,
         "global_step": int(engine.global_steps),
         "seconds": round(elapsed, 3),

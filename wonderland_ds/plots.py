@@ -142,3 +142,49 @@ def write_plots(out: Path, report: dict[str, Any], metrics_csv: dict[int, Path])
         names.append("training_curves.png")
         training_curves(curves, out / names[-1])
     return names
+
+
+def lm_source_plot(out: Path, report: dict[str, Any]) -> list[str]:
+    """``loss_per_source.png``: held-out loss per text source, stage 15 beside stage 16, with
+    the gate's limit (stage 15's loss raised by ``lm_loss_rise``) drawn over each source."""
+    plt = _pyplot()
+    old = {r["source"]: r for r in report["stage15"]["per_source"]}
+    rows = report["stage16"]["per_source"]
+    failed = {f["path"] for f in report["gate"]["findings"] if f["severity"] == "error"}
+    rise = report["gate"]["lm_loss_rise"]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows) + 2), 3.6))
+    xs = range(len(rows))
+    ax.bar(
+        [x - 0.2 for x in xs],
+        [old[r["source"]]["loss"] for r in rows],
+        0.4,
+        label=f"stage 15 ({label(report['baseline'])})",
+        color=COLORS[15],
+    )
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r["loss"] for r in rows],
+        0.4,
+        label=f"stage 16 ({label(report['checkpoint'])})",
+        color=COLORS[16],
+    )
+    for x, r in zip(xs, rows):
+        limit = old[r["source"]]["loss"] * (1 + rise)
+        ax.hlines(
+            limit,
+            x - 0.4,
+            x + 0.4,
+            colors=MINORITY if r["source"] in failed else "k",
+            linestyles="dashed",
+            linewidth=1,
+        )
+    ax.set_xticks(
+        list(xs), [r["source"] + (" (FAIL)" if r["source"] in failed else "") for r in rows]
+    )
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.set_title(f"Stage 17: loss per source (dashed: gate, +{rise:.0%})")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "loss_per_source.png", dpi=100)
+    plt.close(fig)
+    return ["loss_per_source.png"]

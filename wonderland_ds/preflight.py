@@ -13,6 +13,7 @@ from typing import Any
 from . import checkpoint as ck
 from . import manifest, stages
 from .ckpt_inspect import describe, resolve_tag_dir
+from .data import ORDER
 from .findings import Finding
 
 #: Override flags a user may pass; each is recorded in the manifest when used.
@@ -215,6 +216,7 @@ def check(
     min_warmup: int,
     seed: int,
     fingerprint: str,
+    task: str = "",
     world_size: int,
     zero_stage: int,
     precision: str,
@@ -277,14 +279,30 @@ def check(
                 )
             )
         if data.get("fingerprint") != fingerprint:
+            theirs = info.get("task")
             plan.findings.append(
                 Finding(
                     "data-fingerprint",
                     "warn" if "allow-data-change" in overrides else "error",
-                    "the training data differs from the data the checkpoint was trained on",
-                    "use the same task/dataset, or pass --allow-data-change (recorded)",
+                    f"the training data (task {task!r}) differs from the data the checkpoint"
+                    f" was trained on (task {theirs!r})",
+                    "use the same task/dataset (wonderland.task, model and data, or --task), or"
+                    " pass --allow-data-change (recorded)",
                     str(source),
                     "data.fingerprint",
+                )
+            )
+        order = data.get("order", "permutation")
+        if order != ORDER:
+            plan.findings.append(
+                Finding(
+                    "data-order",
+                    "warn" if "allow-seed-change" in overrides else "error",
+                    f"the checkpoint's data order was computed as {order!r}, this version's as"
+                    f" {ORDER!r}: the stream would not continue where it stopped",
+                    "resume with the version that saved it, or pass --allow-seed-change (recorded)",
+                    str(source),
+                    "data.order",
                 )
             )
     changed = [

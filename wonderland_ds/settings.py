@@ -99,11 +99,50 @@ class Guards(_Strict):
     max_rollbacks: int = Field(2, ge=0)
 
 
+class HFModel(_Strict):
+    """The causal-LM task's model: a Hugging Face model directory."""
+
+    hf: str
+    """A Hugging Face model directory with ``config.json`` (and, for ``init: weights``, its
+    weights as safetensors; tokenizer files in it are copied into stage 18's export)."""
+    init: Literal["config", "weights"] = "config"
+    """``config``: random initialization from ``config.json`` (seeded by ``seed``);
+    ``weights``: load the directory's weights."""
+
+
+class TokenFiles(_Strict):
+    """The causal-LM task's data: flat token files (raw little-endian tokens, as nanoGPT and
+    Megatron write them), read in place."""
+
+    train: list[str] = Field(min_length=1)
+    """Training token files or globs, in order (a glob's matches sorted)."""
+    heldout: dict[str, list[str]] = Field(min_length=1)
+    """Stage 17's held-out sets: source name -> token files or globs; each source gets its own
+    loss, perplexity and gate."""
+    dtype: Literal["uint16", "uint32", "int32"] = "uint16"
+    """The tokens' type: uint16 for vocabularies under 65,536, else uint32 or int32."""
+    seq_len: int = Field(ge=2)
+    """Tokens per sample (at most the model's positions)."""
+
+    @field_validator("heldout")
+    @classmethod
+    def _sources_have_files(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
+        for name, files in value.items():
+            if not files:
+                raise ValueError(f"held-out source {name!r} lists no files")
+        return value
+
+
 class WonderlandSettings(_Strict):
     """Run settings of a stage; every field has a default."""
 
     task: str = "digits"
-    """Built-in task name (``digits``) or ``module:function`` returning a Task."""
+    """``causal-lm`` (a Hugging Face model on token files, set by ``model`` and ``data``), a
+    built-in demo task (``digits``, ``pylm``) or ``module:function`` returning a Task."""
+    model: HFModel | None = None
+    """The ``causal-lm`` task's model (required by it, refused with any other task)."""
+    data: TokenFiles | None = None
+    """The ``causal-lm`` task's token files (required by it, refused with any other task)."""
     cache: str | None = None
     """Dataset cache made by ``wonderland cache`` (default: RUN_DIR/cache/TASK, built once)."""
     seed: int = Field(1234, ge=0)
@@ -150,6 +189,22 @@ class WonderlandSettings(_Strict):
                 "Linux takes time slices of 100-100000 us; 0 leaves gloo's as they are"
             )
         return value
+
+    @model_validator(mode="after")
+    def _causal_lm_sections(self) -> WonderlandSettings:
+        if self.task == "causal-lm":
+            missing = [k for k in ("model", "data") if getattr(self, k) is None]
+            if missing:
+                raise ValueError(
+                    f"task causal-lm needs {' and '.join(missing)}: a model directory"
+                    ' ("model": {"hf": DIR}) and token files ("data": {"train": [...],'
+                    ' "heldout": {...}, "seq_len": N})'
+                )
+        elif self.model is not None or self.data is not None:
+            raise ValueError(
+                f"model and data configure the causal-lm task; task {self.task!r} brings its own"
+            )
+        return self
 
     @model_validator(mode="after")
     def _stage_keys(self) -> WonderlandSettings:

@@ -71,7 +71,13 @@ _FRESH_CACHES: set[tuple[str, int, int, int, int]] = set()
 def write_receipt(path: Path) -> None:
     """What the front process verified (checkpoint and cache hashes, fresh caches), for rank 0
     of the launch it starts: it skips reading those files again while they are unchanged."""
-    body = {"hashes": export_hashes(), "fresh_caches": [list(k) for k in _FRESH_CACHES]}
+    from .tokens import export_scans
+
+    body = {
+        "hashes": export_hashes(),
+        "fresh_caches": [list(k) for k in _FRESH_CACHES],
+        "token_scans": export_scans(),
+    }
     atomic_write_text(path, json.dumps(body))
 
 
@@ -82,6 +88,9 @@ def read_receipt(path: str | None) -> None:
         body = json.loads(Path(path).read_text())
         import_hashes(body["hashes"])
         _FRESH_CACHES.update(tuple(k) for k in body["fresh_caches"])  # type: ignore[misc]
+        from .tokens import import_scans
+
+        import_scans(body.get("token_scans") or {})
     except (OSError, ValueError, KeyError, TypeError):
         return  # no receipt: verify everything again
 
@@ -94,7 +103,9 @@ def _task_data(
     from . import cache
 
     spec = getattr(args, "task", None) or settings.task
-    task = tasks.load(spec)
+    task = tasks.load(spec, settings)
+    if task.train is not None and not isinstance(task.train, tasks.Split):
+        return _materialize(task), run_dir / "cache" / task.name  # token files, in place
     if settings.cache:
         return cache.open_task(task, Path(settings.cache)), Path(settings.cache)
     cache_dir = run_dir / "cache" / task.name
@@ -161,6 +172,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
         min_warmup=settings.min_warmup_steps,
         seed=seed,
         fingerprint=task.fingerprint,
+        task=task.name,
         world_size=world,
         zero_stage=cfg.zero_optimization.stage,
         precision=cfg.precision,
@@ -178,7 +190,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
     if has_errors(plan.findings):
         raise Refused([f for f in plan.findings if f.severity == "error"])
     if (
-        task.train is not None
+        isinstance(task.train, tasks.Split)
         and not isinstance(task.train.x, np.memmap)
         and not getattr(args, "dry_run", False)
     ):

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from .settings import WonderlandSettings
+    from .tokens import TokenData
+
 __all__ = [
     "Normalize",  # noqa: F822 - provided lazily by __getattr__ (no torch import here)
     "Source",
@@ -65,6 +68,10 @@ class Split:
     def __len__(self) -> int:
         return len(self.y)
 
+    @property
+    def tokens_per_sample(self) -> int:
+        return int(self.y.shape[1])
+
 
 @dataclass(frozen=True)
 class Source:
@@ -81,6 +88,14 @@ class Source:
 
 @dataclass(frozen=True)
 class Task:
+    """A model, its data and its loss.
+
+    The model contract: the model is called as ``model(x)`` (``batch_format="tensor"``) or
+    as a ``transformers`` model is (``"hf"``: ``model(input_ids=x, attention_mask=...,
+    labels=y)``, labels equal to the inputs, :data:`IGNORE` on padding, shifted by the loss).
+    It may return a tensor (logits), or a ``ModelOutput``/dict with ``logits`` or ``loss``.
+    :meth:`loss` is the one loss used by training and by stage 17."""
+
     name: str
     num_classes: int
     build_model: Callable[[], nn.Module]
@@ -94,11 +109,48 @@ class Task:
     class_names: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)
     """Task facts that travel with the cache (e.g. the source of each held-out row)."""
-    train: Split | None = None
-    heldout: Split | None = None
+    train: Split | TokenData | None = None
+    """Training data: arrays (cached once as ``.npy`` shards) or token files read in place."""
+    heldout: Split | TokenData | None = None
     fingerprint_value: str | None = None
     source_key_value: str | None = None
     """The key of the source this task's data was built from (recorded in its cache)."""
+    batch_format: Literal["tensor", "hf"] = "tensor"
+    """How the model is called (see the class docstring)."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    """The mean loss from the model's output and the targets; default :func:`standard_loss`."""
+    heldout_sources: dict[str, TokenData] = field(default_factory=dict)
+    """Language models: stage 17's held-out sets by source name (default: ``heldout``, with
+    ``meta["heldout_sources"]`` naming each row's source)."""
+    build_empty_model: Callable[[], nn.Module] | None = None
+    """The model to load a checkpoint's weights into (default ``build_model``): a model that
+    ``build_model`` loads from pretrained weights need not load them to be overwritten."""
+    hf_dir: str | None = None
+    """The Hugging Face model directory (stage 18 exports a ``save_pretrained`` folder)."""
+
+    def forward(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        if self.batch_format == "hf":
+            from .tokens import IGNORE
+
+            return model(input_ids=x, attention_mask=(y != IGNORE).long(), labels=y)
+        return model(x)
+
+    def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch (training's and stage 17's)."""
+        if self.loss_fn is not None:
+            return self.loss_fn(out, y)
+        return standard_loss(out, y, self.kind, self.batch_format == "hf")
+
+    def targets(self, y: torch.Tensor) -> int:
+        """How many targets :meth:`loss` averages over (stage 17 weighs batches by it)."""
+        from .tokens import IGNORE
+
+        if self.kind != "lm":
+            return int(y.shape[0])
+        return int((y[:, 1:] if self.batch_format == "hf" else y).ne(IGNORE).sum())
+
+    def batch_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.forward(model, x, y), y)
 
     @property
     def source_key(self) -> Callable[[], str] | None:
@@ -120,11 +172,17 @@ class Task:
 
     def materialize(self) -> Task:
         """The task with its raw splits loaded (in memory, not from the cache)."""
-        if self.train is not None and self.heldout is not None:
+        if self.train is not None and (self.heldout is not None or self.heldout_sources):
             if self.fingerprint_value is not None:
                 return self
+            if not isinstance(self.train, Split):  # token files: the cheap fingerprint
+                from .tokens import fingerprint_of
+
+                fp = fingerprint_of(self.train, self.name)
+                return dataclasses.replace(self, fingerprint_value=fp)
             from .cache import fingerprint
 
+            assert isinstance(self.heldout, Split)
             return self.with_data(self.train, self.heldout, fingerprint(self.train, self.name))
         if self.make_splits is None:
             raise Refused(f"task {self.name!r} has no data source", "give it make_splits")
@@ -135,13 +193,55 @@ class Task:
         task = self.with_data(train, heldout, fingerprint(train, self.name))
         return dataclasses.replace(task, source_key_value=key)
 
-    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F
 
-        out = out.float()
-        if self.kind == "lm":
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        return F.cross_entropy(out, y)
+class ModelContractError(TypeError):
+    """A model's output that the task's loss cannot use (named in the message)."""
+
+
+def output_parts(out: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(logits, loss) of a model's output: a tensor is logits; a ``ModelOutput`` or dict
+    gives its ``logits`` and ``loss`` entries."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if isinstance(out, dict) or hasattr(out, "keys"):  # ModelOutput is an OrderedDict
+        logits, loss = out.get("logits"), out.get("loss")
+    elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0], None
+    else:
+        logits, loss = getattr(out, "logits", None), getattr(out, "loss", None)
+    if logits is None and loss is None:
+        raise ModelContractError(
+            f"the model returned {type(out).__name__} without logits or loss: return a tensor"
+            " of logits, or a ModelOutput/dict with 'logits' or 'loss'"
+        )
+    return logits, loss
+
+
+def standard_loss(out: Any, y: torch.Tensor, kind: str, shift: bool) -> torch.Tensor:
+    """Cross-entropy in fp32 with :data:`~wonderland_ds.tokens.IGNORE` ignored; the output's
+    own ``loss`` when it has one (a ``transformers`` model given ``labels``). ``shift``:
+    labels equal the inputs and position ``t`` predicts label ``t + 1``."""
+    import torch.nn.functional as F
+
+    from .tokens import IGNORE
+
+    logits, loss = output_parts(out)
+    if loss is not None:
+        return loss.float()
+    assert logits is not None
+    logits = logits.float()
+    if kind != "lm":
+        return F.cross_entropy(logits, y)
+    if shift:
+        logits, y = logits[:, :-1], y[:, 1:]
+    if logits.shape[:-1] != y.shape:
+        raise ModelContractError(
+            f"logits of shape {tuple(logits.shape)} do not fit targets of shape"
+            f" {tuple(y.shape)}: a language model returns (batch, tokens, vocabulary)"
+        )
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE)
 
 
 def normalization_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,14 +402,25 @@ def pylm(dim: int = 128, layers: int = 4) -> Task:
 BUILTIN: dict[str, Callable[[], Task]] = {"digits": digits, "pylm": pylm}
 
 
-def load(spec: str) -> Task:
-    """A built-in task name or ``module:function``; a bad spec is a refusal, not a traceback."""
+def load(spec: str, settings: WonderlandSettings | None = None) -> Task:
+    """``causal-lm`` (configured by ``settings``), a built-in task name or
+    ``module:function``; a bad spec is a refusal, not a traceback."""
+    if spec == "causal-lm":
+        from .lm import causal_lm
+
+        if settings is None or settings.model is None or settings.data is None:
+            raise Refused(
+                "task causal-lm is configured in the config's wonderland section",
+                'give "wonderland": {"task": "causal-lm", "model": {...}, "data": {...}}',
+            )
+        return causal_lm(settings.model, settings.data)
     if spec in BUILTIN:
         return BUILTIN[spec]()
     if ":" not in spec:
         raise Refused(
             f"unknown task {spec!r}",
-            f"use a built-in task ({', '.join(BUILTIN)}) or 'module:function' returning a Task",
+            f"use causal-lm, a built-in task ({', '.join(BUILTIN)}) or 'module:function'"
+            " returning a Task",
         )
     module_name, func_name = spec.split(":", 1)
     try:

@@ -69,7 +69,7 @@ def train(
     if plan.source is None:
         prog, norm = fresh_progress(run)
         what = "pre-normalization statistics over" if norm is not None else "no normalization,"
-        log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} cached samples")
+        log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} training samples")
         engine = build(run, norm)
         return fit(run, engine, prog, log, _verify(run))
 

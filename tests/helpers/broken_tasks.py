@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from wonderland_ds.tasks import Split, Task, digits
 
@@ -24,3 +25,19 @@ def digits_without_minority() -> Task:
         return Split(train.x[keep], train.y[keep]), heldout
 
     return replace(base, name="digits-without-minority", make_splits=splits)
+
+
+class _Chatty(torch.nn.Module):
+    """A model whose forward returns what no loss can use (no logits, no loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return {"hidden": self.lin(x)}
+
+
+def digits_without_logits() -> Task:
+    """digits with a model whose output has neither logits nor loss: `check` refuses it."""
+    return replace(digits(), name="digits-chatty", build_model=_Chatty, normalize=False)
