@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.invoked = list(sys.argv[1:] if argv is None else argv)  # for hints naming it
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -11,11 +11,13 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import hostfile as hostfile_mod
 from .findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, Finding, Refused, has_errors, render
-from .stage_args import DEFAULT_HOSTFILE, add_stage_flags, positive
+from .stage_args import DEFAULT_HOSTFILE, add_stage_flags, non_negative, positive
 
 
 def _hostfile(path: str) -> hostfile_mod.Hostfile:
@@ -93,26 +95,191 @@ def _dry_run(
     return EXIT_OK
 
 
+def _refuse_rerun(args: argparse.Namespace, run_dir: Path) -> None:
+    """A completed stage is never trained over: refused unless ``--rerun`` starts a new
+    attempt (its old folder is moved aside, with a record, after the preflight passed)."""
+    from . import manifest
+
+    entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage)) or {}
+    if entry.get("status") != "ok" or getattr(args, "rerun", False):
+        return
+    made = entry.get("output_checkpoint") or entry.get("checkpoint") or entry.get("report")
+    raise Refused(
+        Finding(
+            "stage-complete",
+            "error",
+            f"stage {args.stage} is complete in {run_dir} ({made or 'no output recorded'},"
+            f" finished {entry.get('finished')}): training it again would mix two attempts",
+            "pass --rerun to start a new attempt (the old stage folder is moved to"
+            f" stage{args.stage}.attemptN, recorded in run.json), or use a new --run-dir",
+            str(run_dir / manifest.NAME),
+            f"stages.{args.stage}.status",
+        )
+    )
+
+
+def _move_attempt_aside(run_dir: Path, stage: int) -> None:
+    """``RUN/stageN`` -> ``RUN/stageN.attemptK``, recorded in the stage's ``attempts``."""
+    from . import manifest
+
+    folder = run_dir / f"stage{stage}"
+    data = manifest.read(run_dir) or {}
+    entry = (data.get("stages") or {}).get(str(stage)) or {}
+    attempts = list(entry.get("attempts") or [])
+    if folder.exists():
+        k = len(attempts) + 1
+        while (run_dir / f"stage{stage}.attempt{k}").exists():
+            k += 1
+        aside = run_dir / f"stage{stage}.attempt{k}"
+        folder.rename(aside)
+        attempts.append(
+            {
+                "folder": str(aside.resolve()),
+                "status": entry.get("status"),
+                "output_checkpoint": entry.get("output_checkpoint"),
+                "finished": entry.get("finished"),
+                "moved": manifest.now(),
+            }
+        )
+    manifest.replace_stage(run_dir, stage, {"attempts": attempts} if attempts else {})
+
+
+def _continue_hint(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this run: the one the user typed, with ``--resume auto``
+    and ``--run-dir`` for ``train``."""
+    argv = list(getattr(args, "invoked", None) or ["train", *sys.argv[1:]])
+    if argv and argv[0] == "train":
+        argv = [a for a in argv if a != "--rerun"]
+        for flag, value in (("--resume", "auto"), ("--run-dir", str(run_dir))):
+            if flag in argv[:-1]:
+                argv[argv.index(flag) + 1] = value
+            else:
+                argv += [flag, value]
+    return "wonderland " + shlex.join(argv)
+
+
+def _failed_hosts(entry: dict) -> list[str]:
+    hosts = entry.get("failed_hosts")
+    return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import copy
+    import time
+
+    from . import checkpoint as ck
     from . import launch, manifest
     from .stage import plan_stage, resolve_run_dir
 
     hf = _hostfile(args.hostfile)
-    world = args.nproc * len(hf.hosts) if args.nproc else hf.world_size
     run_dir = resolve_run_dir(args)
-    cmd, env, notes = launch.build(
-        hf, args.nproc, _stage_argv(args, run_dir), run_dir, args.master_port, args.launcher
-    )
+    _refuse_rerun(args, run_dir)
+    exclude: list[str] = []
+
+    def world_of() -> int:
+        hosts = {h: n for h, n in hf.hosts.items() if h not in exclude}
+        return args.nproc * len(hosts) if args.nproc else sum(hosts.values())
+
+    def command(a: argparse.Namespace) -> tuple[list[str], dict[str, str], list[str]]:
+        return launch.build(
+            hf, a.nproc, _stage_argv(a, run_dir), run_dir, a.master_port, a.launcher, exclude
+        )
+
     if args.dry_run:
+        cmd, _, notes = command(args)
+        world = world_of()
         return _dry_run(args, run_dir, world, cmd, plan_stage(args, world, run_dir), notes)
+    restarts: list[dict] = []
+    attempt_args = args
+    started = time.time()
+    port_retries = 0
+    while True:
+        rc, settings, port_taken = _launch_once(attempt_args, run_dir, world_of(), command, started)
+        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
+            break
+        if port_taken and args.master_port is None and port_retries < 2:
+            # The automatically chosen port was taken between its choice and the rendezvous:
+            # not the stage's fault, not a restart; another port.
+            port_retries += 1
+            print(f"stage {args.stage}: the chosen port was taken; launching again on another")
+            started = time.time()
+            continue
+        allowed = args.max_restarts if args.max_restarts is not None else settings.max_restarts
+        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+        cause = str(entry.get("error") or f"the deepspeed launcher exited with {rc}")
+        if len(restarts) >= allowed:
+            if restarts:
+                print(
+                    f"stage {args.stage} failed after {len(restarts)} restart(s) (--max-restarts"
+                    f" {allowed}): exit code {rc}; {cause}",
+                    file=sys.stderr,
+                )
+            break
+        newest = ck.newest_complete(run_dir / f"stage{args.stage}" / "checkpoints", deep=False)
+        since = newest.tag_dir.stat().st_mtime if newest else started
+        failed = _failed_hosts(entry)
+        if args.exclude_failed_hosts and failed and len(hf.hosts) > 1:
+            exclude[:] = sorted(set(exclude) | set(failed))
+        restarts.append(
+            {
+                "attempt": len(restarts) + 1,
+                "cause": cause[:500],
+                "exit_code": rc,
+                "rank": entry.get("failed_rank"),
+                "host": failed[0] if failed else None,
+                "excluded_hosts": list(exclude),
+                "resumed_from_step": ck.step_of(newest.tag_dir.name) if newest else None,
+                "seconds_lost": round(max(0.0, time.time() - since), 1),
+                "at": manifest.now(),
+            }
+        )
+        backoff = min(300.0, settings.restart_backoff_s * 2 ** (len(restarts) - 1))
+        manifest.update_stage(run_dir, args.stage, status="restarting", restarts=restarts)
+        where = f"from {newest.tag_dir}" if newest else "from where it started"
+        print(
+            f"stage {args.stage}: restart {len(restarts)} of {allowed} in {backoff:.0f} s,"
+            f" {where} (cause: {cause[:200]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(backoff)
+        attempt_args = copy.copy(args)
+        attempt_args.rerun = False  # a restart continues this attempt
+        if newest is not None:
+            attempt_args.resume = "auto"
+        started = time.time()
+    return rc
+
+
+def _launch_once(
+    args: argparse.Namespace,
+    run_dir: Path,
+    world: int,
+    command: Callable[[argparse.Namespace], tuple[list[str], dict[str, str], list[str]]],
+    started: float,
+) -> tuple[int, Any, bool]:
+    """One launch of the stage: preflight here (a refusal raises), then DeepSpeed's
+    launcher. (exit code, the stage's settings, whether no rank started on a taken port)."""
+    import os
+
+    from . import launch, manifest, runstate
+    from .stage import plan_stage
+
+    cmd, env, notes = command(args)
     receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd += ["--verified", str(receipt.resolve())]
     # DeepSpeed's launcher imports itself while the preflight below runs; it launches
     # nothing until released (launch.Launch), and is killed if the preflight refuses.
     early = launch.Launch(cmd, env)
     try:
-        plan = plan_stage(args, world, run_dir)["plan"]
+        if getattr(args, "rerun", False):
+            args.rerun_pending = True  # the preflight looks past the old attempt's folder
+        decided = plan_stage(args, world, run_dir)
+        plan, settings = decided["plan"], decided["settings"]
         render(plan.findings, False)
+        if getattr(args, "rerun", False):
+            _move_attempt_aside(run_dir, args.stage)
+            args.rerun, args.rerun_pending = False, False
         run_dir.mkdir(parents=True, exist_ok=True)
         notes += launch.write_env_file(run_dir, env)[1]
         # Rank 0 preflights again (the plain `deepspeed ... train.py` path has no front
@@ -123,10 +290,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}")
         print("launch: " + shlex.join(cmd), flush=True)
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            status="running",
+            front={"pid": os.getpid(), "host": runstate.host(), "started": manifest.now()},
+        )
     except BaseException:
         early.cancel()
         raise
     rc = early.go()
+    port_taken = False
     # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
     # this launch is alive now, so its buffers (named by its port) can go.
     from .distributed import shm_buffers
@@ -136,29 +310,39 @@ def cmd_train(args: argparse.Namespace) -> int:
         Path(path).unlink(missing_ok=True)
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
         entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
-        if entry.get("status") == "running":
+        beats = runstate.heartbeats(run_dir / f"stage{args.stage}")
+        ranks_started = any(b.get("time", 0) >= started for b in beats)
+        taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
+        port_taken = bool(taken) and not ranks_started
+        if entry.get("status") == "running" and not entry.get("error"):
             # Rank 0 records every failure it lives through (a timeout with the ranks that
             # stopped answering): when it recorded none, rank 0 itself died or hung.
-            why = "rank 0 recorded no failure: rank 0 itself died or hung"
+            why = (
+                "rank 0 recorded no failure: rank 0 itself died or hung"
+                if ranks_started
+                else f"no rank started{taken or ' (see the output above)'}"
+            )
             manifest.update_stage(
                 run_dir,
                 args.stage,
                 status="failed",
                 finished=manifest.now(),
+                exit_code=rc,
                 error=f"launcher exit code {rc}; {why}",
             )
         else:
             why = f"rank 0 reported: {entry.get('error') or 'no error text'}"
+            manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
         print(
             f"stage {args.stage} failed: the deepspeed launcher exited with {rc}; {why}"
-            f" (each rank's output is above). Continue with --resume auto --run-dir {run_dir}",
+            f" (each rank's output is above). Continue with: {_continue_hint(args, run_dir)}",
             file=sys.stderr,
         )
-    return rc
+    return rc, settings, port_taken
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from . import manifest, stages
+    from . import manifest, runstate, stages
 
     if args.to < args.from_:
         raise Refused(f"--to {args.to} is before --from {args.from_}", "use --from <= --to")
@@ -169,12 +353,16 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     )
     rc = EXIT_OK
     for n in range(args.from_, args.to + 1):
-        done = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(n), {})
-        if done.get("status") == "ok":
+        data = manifest.read(run_dir) or {}
+        state = runstate.true_states(run_dir, data).get(str(n), {})
+        if state.get("state") == "done":
             print(f"stage {n}: already done in {run_dir}, skipped")
             continue
+        rerun = state.get("state") == "stale"
+        if rerun:
+            print(f"stage {n}: stale ({state['stale_because']}): running it again")
         st = stages.get(n)
-        has_own = (run_dir / f"stage{n}" / "checkpoints").is_dir()
+        has_own = (run_dir / f"stage{n}" / "checkpoints").is_dir() and not rerun
         resume = "auto" if (st.resumes or has_own) else None
         argv = [
             "--stage",
@@ -192,10 +380,19 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             argv += ["--optimizer-state", "--scheduler-state"]
         if args.nproc:
             argv += ["--nproc", str(args.nproc)]
+        for flag in ("master_port", "max_restarts"):
+            if getattr(args, flag) is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if args.exclude_failed_hosts:
+            argv.append("--exclude-failed-hosts")
+        if rerun:
+            argv.append("--rerun")
         argv += ["--launcher", args.launcher]
         print(f"== stage {n}: {st.name}", flush=True)
         sub = build_train_parser()
-        rc = cmd_train(sub.parse_args(argv))
+        stage_args = sub.parse_args(argv)
+        stage_args.invoked = getattr(args, "invoked", None)
+        rc = cmd_train(stage_args)
         if rc != EXIT_OK:
             print(f"pipeline stopped at stage {n} (exit {rc})", file=sys.stderr)
             break
@@ -216,7 +413,7 @@ def _live(stage_dir: Path, entry: dict) -> dict:
     if rows:
         out["last_metrics"] = rows[-1]
         target = entry.get("end_step")
-        if entry.get("status") == "running" and target and len(rows) > 1:
+        if entry.get("state") == "running" and target and len(rows) > 1:
             per_step = (float(rows[-1]["wall"]) - float(rows[0]["wall"])) / (len(rows) - 1)
             out["eta_s"] = round(max(0, target - int(rows[-1]["step"])) * per_step, 1)
     try:
@@ -248,10 +445,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                 str(run_dir),
             )
         )
+    from . import runstate
+
+    states = runstate.true_states(run_dir, data)
     for key, entry in data["stages"].items():
         root = run_dir / f"stage{key}" / "checkpoints"
         newest = ck.newest_complete(root, deep=False)
         entry["latest_complete_checkpoint"] = str(newest.tag_dir) if newest else None
+        entry.update(states.get(key, {}))
         entry.update(_live(run_dir / f"stage{key}", entry))
     report = run_dir / "stage17" / "report.json"
     if report.exists():
@@ -264,9 +465,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         e = data["stages"][key]
         extra = f" loss {e['final_loss']:.4f}" if isinstance(e.get("final_loss"), float) else ""
         print(
-            f"  stage {key:>2} {e.get('name', ''):<24} {e.get('status', '?'):<12}"
+            f"  stage {key:>2} {e.get('name', ''):<24} {e.get('state', '?'):<12}"
             f" step {e.get('global_step', '-')}{extra}"
         )
+        if e.get("state") == "interrupted":
+            age = e.get("heartbeat_age_s")
+            seen = f"last heartbeat {age:.0f} s ago" if age is not None else "no heartbeat"
+            print(f"           no process of it is alive ({seen}); continue with --resume auto")
+        if e.get("state") == "stale":
+            print(f"           stale: {e['stale_because']}")
+        if e.get("state") == "failed" and e.get("error"):
+            code = f"exit code {e['exit_code']}: " if e.get("exit_code") is not None else ""
+            print(f"           {code}{str(e['error'])[:200]}")
+        for r in e.get("restarts") or []:
+            print(
+                f"           restart {r['attempt']}: {str(r['cause'])[:120]} (resumed from step"
+                f" {r['resumed_from_step']}, {r['seconds_lost']} s lost)"
+            )
         if e.get("latest_complete_checkpoint"):
             print(f"           latest complete checkpoint: {e['latest_complete_checkpoint']}")
         if e.get("last_metrics"):
@@ -453,6 +668,18 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nproc", type=positive, help="processes per node (default: hostfile slots)")
     p.add_argument("--master-port", type=positive, help="rendezvous port (default: a free one)")
+    p.add_argument(
+        "--max-restarts",
+        type=non_negative,
+        help="relaunch a stage whose rank died or timed out, from its newest complete"
+        " checkpoint, up to N times (default: wonderland.max_restarts, 0)",
+    )
+    p.add_argument(
+        "--exclude-failed-hosts",
+        action="store_true",
+        help="on a restart, leave out the hosts the failure named (DeepSpeed's --exclude);"
+        " the world shrinks and the resume goes through the universal path",
+    )
     from .launch import LAUNCHERS
 
     p.add_argument(
@@ -464,10 +691,20 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_rerun_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rerun",
+        action="store_true",
+        help="train a completed stage again as a new attempt (its old folder is moved to"
+        " stageN.attemptK, recorded in run.json)",
+    )
+
+
 def build_train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wonderland train")
     add_stage_flags(p)
     _add_launch_flags(p)
+    _add_rerun_flag(p)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -480,6 +717,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p = sub.add_parser("train", help="run one stage through the deepspeed launcher")
     add_stage_flags(p)
     _add_launch_flags(p)
+    _add_rerun_flag(p)
     p.add_argument(
         "--dry-run",
         action="store_true",

@@ -233,22 +233,12 @@ def check_time_slices() -> Finding:
 
 
 def extensions_root(env: Mapping[str, str]) -> Path:
-    """Where torch's JIT builds land (same rule as torch.utils.cpp_extension, without
-    creating anything)."""
-    import torch
+    """Where a stage launched from this environment builds and loads DeepSpeed's JIT ops
+    (``TORCH_EXTENSIONS_DIR``, which ``wonderland train`` sets per environment and carries to
+    every node), so the build reported here is the one a stage will load."""
+    from .launch import extensions_dir
 
-    if env.get("TORCH_EXTENSIONS_DIR"):
-        return Path(env["TORCH_EXTENSIONS_DIR"])
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if torch.version.hip is not None:
-        acc = "rocm" + torch.version.hip.replace(".", "")
-    elif torch.version.cuda is not None:
-        acc = "cu" + torch.version.cuda.replace(".", "")
-    else:
-        acc = "cpu"
-    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{py}_{acc}"
+    return extensions_dir(dict(env))
 
 
 def needed_ops(accelerator: str, ds_config: Mapping[str, Any] | None = None) -> list[str]:
@@ -798,6 +788,8 @@ def prebuild(
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
+    # Build where a stage launched from this environment will look (launch.extensions_dir).
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root(os.environ))
     try:
         for name in names:
             bar.set_description_str(f"building {name}")

@@ -96,6 +96,31 @@ SCHEDULER_PARAMS: dict[str, type[BaseModel]] = {
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
 }
+#: The optimizer names DeepSpeed 0.19's engine builds itself (``DEEPSPEED_OPTIMIZERS``; any
+#: case). Any other name is looked up as ``getattr(torch.optim, name)`` at ``initialize``, on
+#: every rank, after the launch: checked here against :func:`torch_optimizers` (a test holds
+#: both lists to the installed DeepSpeed and torch).
+DEEPSPEED_OPTIMIZERS = (
+    "adagrad",
+    "adam",
+    "adamw",
+    "lamb",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "lion",
+    "muon",
+)
+TORCH_OPTIMIZERS = (
+    "ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LBFGS", "Muon",
+    "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam",
+)  # fmt: skip
+
+
+def torch_optimizers() -> set[str]:
+    return set(TORCH_OPTIMIZERS)
+
+
 KNOWN_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
@@ -540,6 +565,23 @@ def _rules(
                 "optimizer",
             )
         )
+    elif (
+        cfg.optimizer.type.lower() not in DEEPSPEED_OPTIMIZERS
+        and cfg.optimizer.type not in TORCH_OPTIMIZERS
+    ):
+        names = set(DEEPSPEED_OPTIMIZERS) | set(TORCH_OPTIMIZERS)
+        out.append(
+            Finding(
+                "optimizer-type",
+                "error",
+                f"optimizer type {cfg.optimizer.type!r} is neither one DeepSpeed builds nor a"
+                " torch.optim class: deepspeed.initialize would fail on every rank",
+                f"{_did_you_mean(cfg.optimizer.type, names)}use one of"
+                f" {', '.join(sorted(names, key=str.lower))}",
+                file,
+                "optimizer.type",
+            )
+        )
     if cfg.scheduler is None:
         out.append(
             Finding(
@@ -663,6 +705,18 @@ def _scheduler(
                 f"set warmup_num_steps >= {settings.min_warmup_steps}",
                 file,
                 "scheduler.params.warmup_num_steps",
+            )
+        )
+    low, high = getattr(params, "warmup_min_lr", None), getattr(params, "warmup_max_lr", None)
+    if low is not None and high is not None and low > high:
+        out.append(
+            Finding(
+                "scheduler-params",
+                "error",
+                f"warmup_min_lr {low} > warmup_max_lr {high}: the warmup would lower the LR",
+                "make warmup_min_lr <= warmup_max_lr",
+                file,
+                "scheduler.params.warmup_min_lr",
             )
         )
     total = getattr(params, "total_num_steps", None)

@@ -55,6 +55,8 @@ class StageRun:
     seed: int
     steps: int
     fault: faults.FaultPlan = field(default_factory=faults.FaultPlan)
+    heartbeat: Any = None
+    """The rank's :class:`~wonderland_ds.runstate.Heartbeat`; the loop sets its ``step``."""
 
     @property
     def stage_dir(self) -> Path:
@@ -815,6 +817,8 @@ def _fit(
             vec[1] = digest
             vec[-1] = float(writer.busy)  # summed: 0 when every rank's writer is idle
             done = int(engine.global_steps)
+            if run.heartbeat is not None:
+                run.heartbeat.step = done
             run.fault.step_done(step + 1)
             scale = loss_scale(engine) if run.cfg.fp16.enabled else None
             pending.append(

@@ -23,6 +23,10 @@ first) to ``until`` (default: forever).
 
 Every injected fault prints ``FAULT INJECTED: ...`` to stderr when it first acts, so a test can
 show that the fault really happened.
+
+A one-shot fault acts once per stage, also across the restarts of ``--max-restarts``: when it
+acts it leaves a marker in ``RUN/stageN/faults/``, and a restarted stage skips it. ``:repeat=1``
+makes it act on every attempt (a fault that no restart can get past).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is not imported by `wonderland check` (it must stay fast)
@@ -69,6 +74,12 @@ class Fault:
     rank: int = 0
     until: int | None = None
     factor: float = 1.0
+    repeat: bool = False
+    """One-shot kinds: act on every attempt of the stage, not once across its restarts."""
+
+    @property
+    def marker(self) -> str:
+        return f"{self.kind}@{self.point}-step{self.step}-rank{self.rank}.fired"
 
     def active(self, step: int) -> bool:
         if self.kind in ONE_SHOT:
@@ -86,6 +97,15 @@ class FaultPlan:
     """The last healthy transfer time this rank measured: the slow fault sleeps a multiple."""
 
     _consumed: set[Fault] = field(default_factory=set)
+    _record: Path | None = None
+
+    def remember(self, folder: Path) -> None:
+        """Record one-shot faults in ``folder`` when they act; skip those an earlier attempt
+        of the stage recorded."""
+        self._record = folder
+        for f in self.faults:
+            if f.kind in ONE_SHOT and not f.repeat and (folder / f.marker).exists():
+                self._consumed.add(f)
 
     def at(self, point: str, step: int, rank: int, kind: str | None = None) -> list[Fault]:
         return [
@@ -107,6 +127,12 @@ class FaultPlan:
         key = (f, rank, step if f.kind in ONE_SHOT else -1)
         if key not in self._announced:
             self._announced.add(key)
+            if self._record is not None and f.kind in ONE_SHOT and not f.repeat:
+                try:  # before the fault acts: a killed rank has left its marker
+                    self._record.mkdir(parents=True, exist_ok=True)
+                    (self._record / f.marker).write_text(f"step {step} rank {rank}\n")
+                except OSError:
+                    pass
             print(
                 f"FAULT INJECTED: {f.kind} at {f.point} step {step} rank {rank}"
                 f"{'' if f.factor == 1.0 else f' factor {f.factor:g}'} (pid {os.getpid()})",
@@ -136,9 +162,10 @@ def parse(spec: str | None) -> FaultPlan:
                 number = float(value) if key == "factor" else int(value)
             except ValueError:
                 number = -1
-            if key not in ("step", "rank", "until", "factor") or number < 0:
+            if key not in ("step", "rank", "until", "factor", "repeat") or number < 0:
                 raise ValueError(
-                    f"bad fault option {opt!r} in {item!r}: use step=N, until=N, rank=R or factor=F"
+                    f"bad fault option {opt!r} in {item!r}: use step=N, until=N, rank=R,"
+                    " factor=F or repeat=1"
                 )
             kw[key] = number
         out.append(
@@ -149,6 +176,7 @@ def parse(spec: str | None) -> FaultPlan:
                 int(kw.get("rank", 0)),
                 None if "until" not in kw else int(kw["until"]),
                 float(kw.get("factor", 4.0 if kind == "spike" else 2.0 if kind == "slow" else 1.0)),
+                bool(kw.get("repeat", 0)),
             )
         )
     return FaultPlan(tuple(out))

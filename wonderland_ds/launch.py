@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -22,7 +24,14 @@ CARRIED_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 #: Variables of the launching shell that are carried too when set: DeepSpeed's runner forwards
 #: only NCCL/PYTHON/UCX/MV2/MLFLOW ones, so GLOO_SOCKET_IFNAME (the interface gloo binds on a
 #: multi-homed host), TORCH_NCCL_* and the fault switch would not reach the other hosts.
-CARRIED_PREFIXES = ("GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "WONDERLAND_", "OMP_NUM_THREADS")
+CARRIED_PREFIXES = (
+    "GLOO_",
+    "TORCH_NCCL_",
+    "TORCH_DISTRIBUTED_",
+    "WONDERLAND_",
+    "OMP_NUM_THREADS",
+    "TORCH_EXTENSIONS_DIR",
+)
 #: What the launcher's pdsh command line can carry unquoted (it writes `export K=V;`).
 _SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:/=@+%")
 LAUNCHERS = ("pdsh", "openmpi")
@@ -39,6 +48,51 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound for listening on this host now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+PORT_TRIES = 5
+
+
+def pick_port() -> int:
+    """A port free now: an automatically chosen one that turns out taken is replaced by
+    another, at most :data:`PORT_TRIES` times."""
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        if port_free(port):
+            return port
+    raise RuntimeError(f"no free port found in {PORT_TRIES} tries")
+
+
+def extensions_dir(env: dict[str, str] | os._Environ[str]) -> Path:
+    """Where DeepSpeed's JIT ops are built and loaded: ``TORCH_EXTENSIONS_DIR`` when set,
+    else a folder keyed by this environment (Python prefix and version, torch with its
+    CUDA/CPU build tag, DeepSpeed), so two environments never rebuild each other's ops."""
+    if env.get("TORCH_EXTENSIONS_DIR"):
+        return Path(env["TORCH_EXTENSIONS_DIR"])
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return "none"
+
+    torch_v, ds_v = ver("torch"), ver("deepspeed")
+    parts = [os.path.realpath(sys.prefix), platform.python_version(), torch_v, ds_v]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]
+    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch_v}-ds{ds_v}-{key}"
+    return cache / "wonderland" / "torch_extensions" / name
+
+
 def build(
     hostfile: Hostfile,
     nproc: int | None,
@@ -46,9 +100,13 @@ def build(
     run_dir: Path,
     master_port: int | None = None,
     launcher: str = "pdsh",
+    exclude: list[str] | None = None,
 ) -> tuple[list[str], dict[str, str], list[str]]:
-    """Returns (command, environment, notes for the user)."""
+    """Returns (command, environment, notes for the user). ``exclude``: hosts of the
+    hostfile to leave out (DeepSpeed's ``--exclude``)."""
     cmd = [deepspeed_bin(), "--hostfile", hostfile.path]
+    if exclude:
+        cmd += ["--exclude", "@".join(exclude)]
     notes = []
     env = dict(os.environ)
     if launcher != "pdsh":
@@ -67,8 +125,9 @@ def build(
         cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     if nproc is not None:
         cmd += ["--num_gpus", str(nproc)]
-    cmd += ["--master_port", str(master_port or free_port()), str(TRAIN_PY), *stage_argv]
+    cmd += ["--master_port", str(master_port or pick_port()), str(TRAIN_PY), *stage_argv]
     env.update(CARRIED_ENV)
+    env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(env))
     env["DS_ENV_FILE"] = str((run_dir / ".deepspeed_env").resolve())
     if "OMP_NUM_THREADS" not in env:
         # The launcher leaves it unset on CPU: ranks then oversubscribe the cores (FACTS.md).

@@ -2,10 +2,12 @@
 
 Fields (documented in the README): ``format``, ``run_dir``, ``created``, ``versions`` and
 ``stages`` keyed by stage number (as a string), each with ``name``, ``status`` (``running``,
-``ok``, ``refused``, ``failed``, ``gate-failed``, ``guard-stopped``), ``config``,
+``restarting``, ``ok``, ``refused``, ``failed``, ``gate-failed``, ``guard-stopped``), ``config``,
 ``config_sha256``, ``hostfile``, ``world_size``, ``seed``, ``resumed_from``, ``checkpoint``,
-``steps``, ``final_loss``, ``overrides``, ``started``, ``finished`` and, for stage 17,
-``gate``.
+``steps``, ``final_loss``, ``overrides``, ``started``, ``finished``, ``front`` (the launching
+process's pid and host), ``input_checkpoint`` and ``output_checkpoint`` (lineage),
+``restarts``, ``attempts``, ``exit_code``, ``failed_hosts`` and, for stage 17, ``gate``.
+``wonderland status`` adds the true ``state`` (``runstate.py``).
 """
 
 from __future__ import annotations
@@ -68,3 +70,13 @@ def update_stage(run_dir: Path, stage: int, **fields: Any) -> dict[str, Any]:
     entry.update(fields)
     atomic_write_text(run_dir / NAME, json.dumps(data, indent=2, sort_keys=True))
     return data
+
+
+def replace_stage(run_dir: Path, stage: int, entry: dict[str, Any]) -> None:
+    """The stage's entry replaced whole (a new attempt starts from ``entry``)."""
+    data = read(run_dir)
+    if data is None:
+        update_stage(run_dir, stage, **entry)
+        return
+    data["stages"][str(stage)] = dict(entry)
+    atomic_write_text(run_dir / NAME, json.dumps(data, indent=2, sort_keys=True))

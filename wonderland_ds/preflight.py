@@ -46,10 +46,13 @@ def stage_ckpt_root(run_dir: Path, stage: int) -> Path:
     return run_dir / f"stage{stage}" / "checkpoints"
 
 
-def _auto(run_dir: Path, stage: int) -> tuple[Path | None, bool, list[Finding]]:
-    """Newest complete checkpoint of this stage (interrupted) or else the previous one."""
+def _auto(
+    run_dir: Path, stage: int, own_folder: bool = True
+) -> tuple[Path | None, bool, list[Finding]]:
+    """Newest complete checkpoint of this stage (interrupted) or else the previous one;
+    ``own_folder=False``: the previous one (a new attempt of a stage)."""
     prev = stages.previous_training_stage(stage)
-    roots = [(stage_ckpt_root(run_dir, stage), True)]
+    roots = [(stage_ckpt_root(run_dir, stage), True)] if own_folder else []
     if prev is not None:
         roots.append((stage_ckpt_root(run_dir, prev), False))
     out: list[Finding] = []
@@ -132,12 +135,12 @@ def _auto(run_dir: Path, stage: int) -> tuple[Path | None, bool, list[Finding]]:
 
 
 def resolve(
-    resume: str | None, run_dir: Path, stage: int
+    resume: str | None, run_dir: Path, stage: int, own_folder: bool = True
 ) -> tuple[Path | None, bool, list[Finding]]:
     st = stages.get(stage)
     if resume is None:
         own = stage_ckpt_root(run_dir, stage)
-        if ck.tags(own):
+        if own_folder and ck.tags(own):
             return (
                 None,
                 False,
@@ -167,7 +170,7 @@ def resolve(
             )
         return None, False, [Finding("resume", "ok", "fresh start (no --resume)")]
     if resume == "auto":
-        return _auto(run_dir, stage)
+        return _auto(run_dir, stage, own_folder)
     path = Path(resume)
     if not path.exists():
         return (
@@ -221,9 +224,12 @@ def check(
     zero_stage: int,
     precision: str,
     overrides: set[str] = frozenset(),  # type: ignore[assignment]
+    own_folder: bool = True,
 ) -> Plan:
+    """``own_folder=False``: a new attempt of the stage, whose old folder is about to be
+    moved aside, never resumes from it."""
     plan = Plan(stage)
-    source, continuing, found = resolve(resume, run_dir, stage)
+    source, continuing, found = resolve(resume, run_dir, stage, own_folder)
     plan.findings += found
     if source is None:
         return plan

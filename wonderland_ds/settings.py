@@ -176,6 +176,11 @@ class WonderlandSettings(_Strict):
     """Stage 16 refuses a checkpoint with fewer LR-warmup steps behind it (field notes: 500)."""
     process_group_timeout_s: int = Field(600, ge=10)
     """Process-group timeout passed to ``deepspeed.init_distributed`` (field notes: 600 s)."""
+    max_restarts: int = Field(0, ge=0)
+    """Relaunch a stage whose rank died or whose process group timed out, from its newest
+    complete checkpoint, up to this many times (``--max-restarts`` overrides)."""
+    restart_backoff_s: float = Field(5.0, ge=0.0)
+    """Seconds before the first restart; doubled for each further one, at most 300."""
     log_interval: int = Field(50, ge=1)
     """Print a progress line every this many steps on rank 0."""
     eval: EvalGate = Field(default_factory=EvalGate)

@@ -22,6 +22,7 @@ from . import faults, manifest, preflight, stages, startup, tasks
 from .checkpoint import atomic_write_text, export_hashes, import_hashes, stat_key
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
 from .findings import Finding, Refused, has_errors, render
+from .runstate import Heartbeat
 from .settings import WonderlandSettings
 from .stage_args import overrides
 
@@ -177,6 +178,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str,
         zero_stage=cfg.zero_optimization.stage,
         precision=cfg.precision,
         overrides=overrides(args),
+        own_folder=not getattr(args, "rerun_pending", False),
     )
     required = st.preflight or args.optimizer_state or args.scheduler_state
     if not required:
@@ -242,9 +244,12 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_main():
         render(plan.findings, args.json)
     st = stages.get(args.stage)
+    stage_dir = run_dir / f"stage{args.stage}"
     fault = faults.parse(args.fault)
+    fault.remember(stage_dir / "faults")  # a one-shot fault acts once per stage, restarts too
+    heartbeat = Heartbeat(stage_dir, dist.rank()).start()
+    decided["heartbeat"] = heartbeat
     if dist.is_main():
-        stage_dir = run_dir / f"stage{args.stage}"
         stage_dir.mkdir(parents=True, exist_ok=True)
         (stage_dir / "preflight.json").write_text(json.dumps(plan.to_dict(), indent=2))
         (stage_dir / "ds_config.json").write_text(json.dumps(decided["ds_dict"], indent=2))
@@ -259,6 +264,13 @@ def run(args: argparse.Namespace) -> int:
             world_size=world,
             seed=decided["seed"],
             resumed_from=str(plan.source) if plan.source else None,
+            # Lineage: the checkpoint this stage's attempt started from, kept across the
+            # resumes of its own checkpoints (status compares it with its source's newest).
+            **(
+                {}
+                if plan.continuing
+                else {"input_checkpoint": str(plan.source) if plan.source else None}
+            ),
             overrides=sorted(overrides(args)),
             finished=None,
             grad_acc=decided["ds_dict"]["gradient_accumulation_steps"],
@@ -282,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
 
             result = run_export(args, run_dir, decided, plan)
     except BaseException as exc:
+        heartbeat.stop()
         # A collective timeout names no peer: find out which ranks stopped answering.
         hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
         if hung:
@@ -297,12 +310,35 @@ def run(args: argparse.Namespace) -> int:
                 status=status,
                 finished=manifest.now(),
                 error=(hung or str(exc))[:500],
+                failed_hosts=_named_hosts(hung),
             )
         raise
+    heartbeat.stop()
     if dist.is_main():
-        manifest.update_stage(run_dir, args.stage, status="ok", finished=manifest.now(), **result)
+        output = result.get("checkpoint") if st.kind == "train" else None
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            status="ok",
+            finished=manifest.now(),
+            output_checkpoint=output,
+            **result,
+        )
         log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
+
+
+def _named_hosts(hung: str | None) -> list[str]:
+    """The hosts a timeout explanation names as not answering (``--exclude-failed-hosts``)."""
+    import re
+
+    if not hung:
+        return []
+    if "does not answer" in hung:  # rank 0 on HOST holds the store
+        found = re.findall(r"rank 0 on (\S+) ", hung)
+    else:
+        found = re.findall(r"\d+ \(([^)]+)\)", hung)
+    return sorted(set(found))
 
 
 def plan_stage_quiet(args: argparse.Namespace, world: int, run_dir: Path) -> dict[str, Any]:

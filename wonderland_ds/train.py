@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as a script: import the package, not siblin
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
 
-from wonderland_ds import startup
+from wonderland_ds import quiet, startup
 from wonderland_ds.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
 from wonderland_ds.stage_args import add_stage_flags
 
@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch and DeepSpeed are imported: the collector's full scans of the start's
     # long-lived objects cost 0.81-0.87 s a rank (startup.py); it is back on at the first step.
     startup.hold()
+    quiet.install()  # known-harmless third-party warnings, before DeepSpeed is imported
     parser = argparse.ArgumentParser(prog="wonderland_ds/train.py", description=__doc__)
     add_stage_flags(parser)
     parser.add_argument(

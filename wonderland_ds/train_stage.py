@@ -65,6 +65,7 @@ def train(
         seed=decided["seed"],
         steps=args.steps or settings.steps_for(args.stage),
         fault=fault,
+        heartbeat=decided.get("heartbeat"),
     )
     if plan.source is None:
         prog, norm = fresh_progress(run)
