@@ -4,7 +4,8 @@
 
 * step time: ``wonderland train --stage 15`` on a ``transformers`` GPT-2 and a 40 MB uint16
   token file, against the plain DeepSpeed loop of ``bench/plain_causal_lm.py`` over the same
-  model directory, config and file, 2 ranks each, the sides' order rotating (A B C, B C A, C A B, ...); a step is
+  model directory, config and file, 2 ranks each, and that plain loop once more (the noise
+  floor), the sides' order rotating (A B C, B C A, C A B, ...); a step is
   the wall time between consecutive steps' ends after a warm-up, so it includes everything
   each loop does between steps.
 * rank memory: the same stage on a 4 GB token file (sparse), a third side in the rotation,
@@ -141,8 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warm", type=int, default=8, help="steps left out of the timing")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warm", type=int, default=6, help="steps left out of the timing")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--work", help="working folder (default: a temporary one)")
@@ -152,13 +153,15 @@ def main() -> None:
     configs = prepare(work, args.vocab, args.seq_len)
     result: dict = {
         "front_check": {n: front_check(c) for n, c in configs.items()},
-        "sides": {"wonderland": [], "plain": [], "wonderland_4GB": []},
+        "sides": {"wonderland": [], "plain": [], "wonderland_4GB": [], "plain_again": []},
     }
     sides = list(result["sides"])
     for rep in range(args.reps):
-        for side in sides[rep % 3 :] + sides[: rep % 3]:  # the order rotates
-            if side == "plain":
-                got = plain_side(configs["small"], work / f"plain{rep}.json", args.steps, args.warm)
+        k = rep % len(sides)
+        for side in sides[k:] + sides[:k]:  # the order rotates
+            if side.startswith("plain"):
+                out = work / f"{side}{rep}.json"
+                got = plain_side(configs["small"], out, args.steps, args.warm)
             else:
                 name = "big" if side == "wonderland_4GB" else "small"
                 run = work / f"{side}_{rep}"
@@ -179,11 +182,14 @@ def main() -> None:
             r["run_dir_data_bytes"] for r in result["sides"]["wonderland_4GB"]
         ),
     }
+    again = [r["step_s"] for r in result["sides"]["plain_again"]]
     result["step"] = {
         "wonderland_median_s": statistics.median(wl),
         "plain_median_s": statistics.median(plain),
         "ratio_of_medians": statistics.median(wl) / statistics.median(plain),
         "ratio_paired": statistics.median(w / p for w, p in zip(wl, plain)),
+        # The same plain loop twice: how far apart two identical sides land in this run.
+        "noise_floor_plain_again": statistics.median(a / p for a, p in zip(again, plain)),
     }
     result["setup"] = {
         "model": f"GPT-2 (transformers), 4 layers, 256 wide, vocabulary {args.vocab}",

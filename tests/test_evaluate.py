@@ -204,7 +204,7 @@ def test_healthy_run_passes_the_gate(healthy):
     assert healthy.run_unchanged  # --out: the checkpoint's own run is only read
     assert report["plots"] == PLOTS and all((healthy.out / p).is_file() for p in PLOTS)
     status = ok(wonderland("status", str(healthy.out)))
-    assert "final evaluation sweep" in status and " ok " in status
+    assert "final evaluation sweep" in status and " done " in status
 
 
 @pytest.mark.slow

@@ -172,9 +172,16 @@ def test_stage16_without_resume_is_refused(capsys, tmp_path):
     assert "resumes stage 15" in err and "--resume" in err
 
 
-def test_fresh_stage_over_existing_checkpoints_is_refused(capsys, stage15_fp32):
+def test_fresh_stage_over_existing_checkpoints_is_refused(capsys, stage15_fp32, tmp_path):
     err = refuse(capsys, ["--stage", "15", "--run-dir", str(stage15_fp32)], [stage15_fp32])
-    assert "already has checkpoints" in err
+    assert "[stage-complete]" in err and "--rerun" in err  # a completed stage
+    run = tmp_path / "run"  # an interrupted one: its checkpoints are continued, never mixed
+    shutil.copytree(stage15_fp32, run)
+    manifest = json.loads((run / "run.json").read_text())
+    manifest["stages"]["15"]["status"] = "failed"
+    (run / "run.json").write_text(json.dumps(manifest))
+    err = refuse(capsys, ["--stage", "15", "--run-dir", str(run)], [run])
+    assert "already has checkpoints" in err and "--resume auto" in err
 
 
 def test_resume_auto_falls_back_past_a_damaged_latest(src, tmp_path, stage15_fp32):

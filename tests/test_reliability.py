@@ -438,7 +438,7 @@ def test_bad_flags_against_a_real_run_are_refused(capsys, stage15_fp32):
     """Flag combinations that are only wrong for this run (its seed, warmup, checkpoints)."""
     run = str(stage15_fp32)
     cases = [
-        (["--stage", "15", "--run-dir", run], "already has checkpoints"),
+        (["--stage", "15", "--run-dir", run], "[stage-complete]"),
         ([*STAGE16, "--resume", "auto", "--run-dir", run, "--seed", "8"], "[data-seed]"),
         (
             [*STAGE16, "--resume", "auto", "--run-dir", run, "--min-warmup-steps", "100"],

@@ -195,7 +195,7 @@ def test_restart_after_a_killed_rank_finishes_the_stage(stage15_fp32, tmp_path):
     assert "stage16/checkpoints/global_step50" in result.stdout  # resumed where it was
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_a_fault_on_every_attempt_stops_after_max_restarts(stage15_fp32, tmp_path):
     run = _copy(stage15_fp32, tmp_path / "run")
     result = wonderland(
@@ -210,7 +210,80 @@ def test_a_fault_on_every_attempt_stops_after_max_restarts(stage15_fp32, tmp_pat
     assert entry["status"] == "failed" and len(entry["restarts"]) == 1
 
 
+def _stage16_until(run: Path, step: int, *extra: str) -> subprocess.Popen:
+    """`wonderland train --stage 16` in its own process group, once it passed ``step``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wonderland_ds.cli", "train", "--stage", "16", "--config",
+         TINY32, "--run-dir", str(run), "--resume", "auto", "--optimizer-state",
+         "--scheduler-state", "--steps", "3000", *extra],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    launched = time.time()
+    deadline = launched + 180
+    while time.time() < deadline:
+        beats = runstate.heartbeats(run / "stage16")
+        if any((b.get("step") or 0) >= step and b["time"] >= launched for b in beats):
+            return proc
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"stage 16 did not reach step {step}")
+
+
 @pytest.mark.slow
+def test_sigkill_of_the_whole_group_reads_interrupted_at_once(stage15_fp32, tmp_path):
+    run = _copy(stage15_fp32, tmp_path / "run")
+    proc = _stage16_until(run, 45)
+    status = json.loads(wonderland("status", str(run), "--json").stdout)
+    assert status["stages"]["16"]["state"] == "running"
+    os.killpg(proc.pid, signal.SIGKILL)
+    killed = time.time()
+    proc.wait()
+    status = json.loads(wonderland("status", str(run), "--json").stdout)
+    assert time.time() - killed < 5
+    entry = status["stages"]["16"]
+    assert entry["status"] == "running"  # what the record says; nobody will update it
+    assert entry["state"] == "interrupted" and entry["heartbeat_age_s"] is not None
+    text = wonderland("status", str(run)).stdout
+    assert "interrupted" in text and "no process of it is alive" in text
+
+
+def test_stale_stages_follow_the_lineage(tmp_path):
+    from wonderland_ds import checkpoint as ck
+
+    def tag(stage: int, step: int) -> str:
+        d = tmp_path / f"stage{stage}" / "checkpoints" / f"global_step{step}"
+        d.mkdir(parents=True)
+        (d / "f.pt").write_bytes(os.urandom(8))  # each save's own contents
+        ck.write_meta(d, {"global_step": step})
+        return str(d)
+
+    s15, s16 = tag(15, 40), tag(16, 80)
+    stages = {
+        "15": {"status": "ok", "input_checkpoint": None},
+        "16": {"status": "ok", "input_checkpoint": s15},
+        "17": {"status": "ok", "input_checkpoint": s16},
+        "18": {"status": "ok", "input_checkpoint": s16},
+    }
+    assert runstate.stale(tmp_path, stages) == {}
+    tag(16, 120)  # stage 16 trained further: what 17 and 18 measured is not the newest
+    why = runstate.stale(tmp_path, stages)
+    assert set(why) == {"17", "18"} and "global_step120" in why["17"]
+    tag(15, 60)  # and stage 15 too: 16 is stale, and everything after it
+    assert set(runstate.stale(tmp_path, stages)) == {"16", "17", "18"}
+    # Same path, another save (a rerun reached the same step): its identity differs.
+    stages["16"]["input_checkpoint"] = str(tmp_path / "stage15/checkpoints/global_step60")
+    stages["16"]["input_checkpoint_id"] = runstate.checkpoint_id(
+        Path(stages["16"]["input_checkpoint"])
+    )
+    assert "16" not in runstate.stale(tmp_path, stages)
+    shutil.rmtree(tmp_path / "stage15/checkpoints/global_step60")
+    tag(15, 60)
+    assert "saved again" in runstate.stale(tmp_path, stages)["16"]
+    states = runstate.true_states(tmp_path, {"stages": stages})
+    assert states["15"]["state"] == "done" and states["16"]["state"] == "stale"
+
+
+@pytest.mark.nightly
 def test_a_killed_stage_reads_interrupted_and_the_pipeline_mends_it(tmp_path):
     run = tmp_path / "run"
     port = launch.pick_port()
@@ -221,21 +294,7 @@ def test_a_killed_stage_reads_interrupted_and_the_pipeline_mends_it(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count(f"--master_port {port} ") == 3  # honoured by every stage
     # Stage 16 again, as a new attempt, killed mid-stage with its whole process group.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "wonderland_ds.cli", "train", "--stage", "16", "--config",
-         TINY32, "--run-dir", str(run), "--resume", "auto", "--optimizer-state",
-         "--scheduler-state", "--rerun", "--steps", "3000"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        beats = runstate.heartbeats(run / "stage16")
-        if any((b.get("step") or 0) >= 45 for b in beats):
-            break
-        time.sleep(0.5)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("stage 16 did not reach step 45")
+    proc = _stage16_until(run, 45, "--rerun")
     os.killpg(proc.pid, signal.SIGKILL)
     killed = time.time()
     proc.wait()

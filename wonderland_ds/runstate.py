@@ -116,6 +116,17 @@ def live(stage_dir: Path, entry: dict[str, Any], now: float | None = None) -> di
     return {"state": "running" if running else "interrupted", "heartbeat_age_s": age}
 
 
+def checkpoint_id(tag_dir: Path) -> str | None:
+    """A complete checkpoint's identity: the sha256 of its metadata file (written last, with
+    its completion time and every file's digest)."""
+    import hashlib
+
+    try:
+        return hashlib.sha256((tag_dir / ck.META).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def _stage_of(tag_dir: str) -> tuple[Path, str] | None:
     """(run dir, stage number) of a checkpoint path ``RUN/stageN/checkpoints/global_stepK``."""
     p = Path(tag_dir)
@@ -129,12 +140,14 @@ def stale(run_dir: Path, stages: dict[str, dict[str, Any]]) -> dict[str, str]:
     """Completed stages whose input is no longer their source stage's newest output:
     stage number -> why."""
     out: dict[str, str] = {}
-    newest: dict[str, str | None] = {}
+    newest: dict[str, tuple[str, str | None] | None] = {}
 
-    def newest_of(n: str) -> str | None:
+    def newest_of(n: str) -> tuple[str, str | None] | None:
         if n not in newest:
             found = ck.newest_complete(run_dir / f"stage{n}" / "checkpoints", deep=False)
-            newest[n] = str(found.tag_dir.resolve()) if found else None
+            newest[n] = (
+                (str(found.tag_dir.resolve()), checkpoint_id(found.tag_dir)) if found else None
+            )
         return newest[n]
 
     for key in sorted(stages, key=int):
@@ -146,13 +159,19 @@ def stale(run_dir: Path, stages: dict[str, dict[str, Any]]) -> dict[str, str]:
         if where is None or where[0].resolve() != run_dir.resolve():
             continue  # started from outside this run: nothing here can make it stale
         n = where[1]
+        now = newest_of(n)
+        ident = entry.get("input_checkpoint_id")
         if n in out:
             out[key] = f"it started from stage {n}, which is stale"
-        elif newest_of(n) != str(Path(source).resolve()):
-            now = newest_of(n)
+        elif now is None or now[0] != str(Path(source).resolve()):
             out[key] = (
                 f"it started from {Path(source).name} of stage {n}; stage {n}'s newest"
-                f" complete checkpoint is now {Path(now).name if now else 'none'}"
+                f" complete checkpoint is now {Path(now[0]).name if now else 'none'}"
+            )
+        elif ident is not None and now[1] != ident:
+            out[key] = (
+                f"it started from {Path(source).name} of stage {n}, which has been saved"
+                " again since (another attempt)"
             )
     return out
 

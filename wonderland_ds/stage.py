@@ -266,11 +266,7 @@ def run(args: argparse.Namespace) -> int:
             resumed_from=str(plan.source) if plan.source else None,
             # Lineage: the checkpoint this stage's attempt started from, kept across the
             # resumes of its own checkpoints (status compares it with its source's newest).
-            **(
-                {}
-                if plan.continuing
-                else {"input_checkpoint": str(plan.source) if plan.source else None}
-            ),
+            **({} if plan.continuing else _lineage(plan.source)),
             overrides=sorted(overrides(args)),
             finished=None,
             grad_acc=decided["ds_dict"]["gradient_accumulation_steps"],
@@ -326,6 +322,16 @@ def run(args: argparse.Namespace) -> int:
         )
         log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
+
+
+def _lineage(source: Path | None) -> dict[str, Any]:
+    """The checkpoint a stage's attempt starts from, and its identity: the digest of its
+    metadata, which a later save to the same path (a rerun reaching the same step) changes."""
+    from .runstate import checkpoint_id
+
+    if source is None:
+        return {"input_checkpoint": None, "input_checkpoint_id": None}
+    return {"input_checkpoint": str(source), "input_checkpoint_id": checkpoint_id(source)}
 
 
 def _named_hosts(hung: str | None) -> list[str]:
