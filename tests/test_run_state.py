@@ -168,6 +168,28 @@ def _copy(run: Path, dest: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_a_stage_starts_when_the_first_port_chosen_is_taken(monkeypatch, tmp_path, capsys):
+    taken = socket.socket()
+    taken.bind(("", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    picks = iter([port])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: next(picks, None) or real())
+    run = tmp_path / "run"
+    try:
+        rc = cli.main(
+            ["train", "--stage", "15", "--config", TINY32, "--run-dir", str(run), "--steps", "2"]
+        )
+    finally:
+        taken.close()
+    out = capsys.readouterr().out
+    assert rc == 0 and next(picks, "used") == "used"  # the taken port was offered first...
+    assert "--master_port" in out and f"--master_port {port} " not in out  # ...and passed over
+    assert json.loads((run / "run.json").read_text())["stages"]["15"]["status"] == "ok"
+
+
+@pytest.mark.slow
 def test_a_completed_stage_is_not_rerun_without_rerun(stage15_fp32, tmp_path, capsys):
     run = _copy(stage15_fp32, tmp_path / "run")
     before = snapshot(run)

@@ -220,6 +220,7 @@ def check(
     seed: int,
     fingerprint: str,
     task: str = "",
+    config: str = "",
     world_size: int,
     zero_stage: int,
     precision: str,
@@ -290,8 +291,8 @@ def check(
                 Finding(
                     "data-fingerprint",
                     "warn" if "allow-data-change" in overrides else "error",
-                    f"the training data (task {task!r}) differs from the data the checkpoint"
-                    f" was trained on (task {theirs!r})",
+                    f"the training data (task {task!r}, from {config or 'the config'}) differs"
+                    f" from the data the checkpoint was trained on (task {theirs!r})",
                     "use the same task/dataset (wonderland.task, model and data, or --task), or"
                     " pass --allow-data-change (recorded)",
                     str(source),
