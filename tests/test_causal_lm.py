@@ -210,8 +210,7 @@ def test_example_runs_stages_15_to_18_and_its_export_reloads(tmp_path):
     )
     assert prep.returncode == 0, prep.stderr
     cfg, run = out / "config.json", out / "run"
-    checked = wonderland("check", str(cfg))
-    assert checked.returncode == 0 and "[task]" in checked.stdout, checked.stdout
+    assert cli.main(["check", str(cfg)]) == 0  # in this process: transformers is imported
     result = wonderland(
         "pipeline", "--from", "15", "--to", "18", "--config", str(cfg), "--run-dir", str(run),
         timeout=500,

@@ -167,7 +167,7 @@ def _copy(run: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_a_stage_starts_when_the_first_port_chosen_is_taken(monkeypatch, tmp_path, capsys):
     taken = socket.socket()
     taken.bind(("", 0))
@@ -339,3 +339,44 @@ def test_a_killed_stage_reads_interrupted_and_the_pipeline_mends_it(tmp_path):
         "17": "done",
     }
     assert status["stages"]["16"]["global_step"] > 45  # continued, not started over
+
+
+def test_hosts_a_timeout_names_are_excluded_from_the_next_launch(tmp_path):
+    from wonderland_ds.hostfile import parse
+    from wonderland_ds.stage import _named_hosts
+
+    hung = (
+        "a collective timed out after the 60 s process-group timeout on rank 0; rank 2"
+        " (node-b), 3 (node-b) did not answer within 15 s: hung or dead (RuntimeError: x)"
+    )
+    assert _named_hosts(hung) == ["node-b"]
+    assert _named_hosts("... rank 0 on node-a (it holds the rendezvous store) does not answer") == [
+        "node-a"
+    ]
+    assert _named_hosts(None) == [] and _named_hosts("every rank answers afterwards") == []
+    path = tmp_path / "hosts"
+    path.write_text("node-a slots=2\nnode-b slots=2\n")
+    hf, _ = parse(str(path))
+    assert hf is not None
+    cmd, _, _ = launch.build(hf, None, [], tmp_path, 29500, exclude=["node-b"])
+    assert cmd[cmd.index("--exclude") + 1] == "node-b"
+
+
+def test_only_training_stages_refuse_a_rerun(tmp_path):
+    import argparse
+
+    from wonderland_ds import manifest
+    from wonderland_ds.commands import _refuse_rerun
+    from wonderland_ds.findings import Refused
+
+    for n in (15, 16, 17, 18):
+        manifest.update_stage(tmp_path, n, status="ok")
+    for n, refused in ((15, True), (16, True), (17, False), (18, False)):
+        args = argparse.Namespace(stage=n, rerun=False)
+        try:
+            _refuse_rerun(args, tmp_path)
+            got = False
+        except Refused:
+            got = True
+        assert got is refused, n
+        _refuse_rerun(argparse.Namespace(stage=n, rerun=True), tmp_path)  # --rerun: never

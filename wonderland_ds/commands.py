@@ -96,11 +96,14 @@ def _dry_run(
 
 
 def _refuse_rerun(args: argparse.Namespace, run_dir: Path) -> None:
-    """A completed stage is never trained over: refused unless ``--rerun`` starts a new
-    attempt (its old folder is moved aside, with a record, after the preflight passed)."""
-    from . import manifest
+    """A completed training stage is never trained over: refused unless ``--rerun`` starts a
+    new attempt (its old folder is moved aside, with a record, after the preflight passed).
+    Evaluation and export write no checkpoints: running them again replaces their report."""
+    from . import manifest, stages
 
     entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage)) or {}
+    if stages.get(args.stage).kind != "train":
+        return
     if entry.get("status") != "ok" or getattr(args, "rerun", False):
         return
     made = entry.get("output_checkpoint") or entry.get("checkpoint") or entry.get("report")
