@@ -115,10 +115,10 @@ def plain_side(config: Path, out: Path, steps: int, warm: int) -> dict:
 FRONT = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from wonderland_ds import ds_config, tasks
+from wonderland_ds import ds_config, lm
 raw, _ = ds_config.load_json(sys.argv[1])
 _, settings, _ = ds_config.validate(raw, sys.argv[1])
-task = tasks.load(settings.task, settings).materialize()
+task = lm.load_task(settings.task, settings).materialize()
 took = time.perf_counter() - t0
 print(json.dumps({"seconds": took, "samples": len(task.train), "fingerprint": task.fingerprint,
                   "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

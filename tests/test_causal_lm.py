@@ -184,11 +184,11 @@ def test_the_task_loss_is_the_hf_models_own(setup):
     """The built-in task's loss on a batch equals the model's loss given labels (the loss
     stage 17 and a reloaded export compute)."""
     edit, _ = setup
-    from wonderland_ds import ds_config, tasks
+    from wonderland_ds import ds_config, lm
 
     raw, _ = ds_config.load_json(edit())
     _, settings, _ = ds_config.validate(raw)
-    task = tasks.load("causal-lm", settings)
+    task = lm.load_task("causal-lm", settings)
     torch.manual_seed(0)
     model = task.build_model().eval()
     x, y = (torch.from_numpy(a) for a in task.heldout_sources["web"].take(np.arange(3)))

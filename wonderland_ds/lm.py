@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import tasks
 from .findings import Finding, Refused
-from .settings import HFModel, TokenFiles
+from .settings import HFModel, TokenFiles, WonderlandSettings
 from .tasks import Task
 from .tokens import TokenData, expand, open_files, scan
 
@@ -126,8 +127,7 @@ def _data(data: TokenFiles, patterns: list[str], where: str, pad_tail: bool) -> 
 
 def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
     """Refuses token ids outside ``[0, vocab)`` among the sampled blocks."""
-    _, largest = scan(data, NAME)
-    low = data.smallest_token() if data.dtype == "int32" else 0
+    _, low, largest = scan(data, NAME)
     if largest >= vocab or low < 0:
         bad = largest if largest >= vocab else low
         raise Refused(
@@ -141,6 +141,18 @@ def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
                 where,
             )
         )
+
+
+def load_task(spec: str, settings: WonderlandSettings) -> Task:
+    """``causal-lm`` from the config's ``model`` and ``data``, else ``tasks.load(spec)``."""
+    if spec != NAME:
+        return tasks.load(spec)
+    if settings.model is None or settings.data is None:  # the settings' validator says so too
+        raise Refused(
+            "task causal-lm needs the config's wonderland.model and wonderland.data",
+            'give "wonderland": {"task": "causal-lm", "model": {...}, "data": {...}}',
+        )
+    return causal_lm(settings.model, settings.data)
 
 
 def causal_lm(model: HFModel, data: TokenFiles) -> Task:
@@ -166,7 +178,7 @@ def causal_lm(model: HFModel, data: TokenFiles) -> Task:
         where = f"wonderland.data.heldout.{name}"
         heldout[name] = _data(data, patterns, where, pad_tail=True)
         check_tokens(heldout[name], vocab, where, ", ".join(patterns))
-    fingerprint, _ = scan(train, NAME)
+    fingerprint, _, _ = scan(train, NAME)
     return Task(
         name=NAME,
         num_classes=vocab,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import faults, manifest, preflight, stages, startup, tasks
+from . import faults, lm, manifest, preflight, stages, startup, tasks
 from .checkpoint import atomic_write_text, export_hashes, import_hashes, stat_key
 from .ds_config import DSConfig, deepspeed_dict, load_json, validate
 from .findings import Finding, Refused, has_errors, render
@@ -104,7 +104,7 @@ def _task_data(
     from . import cache
 
     spec = getattr(args, "task", None) or settings.task
-    task = tasks.load(spec, settings)
+    task = lm.load_task(spec, settings)
     if task.train is not None and not isinstance(task.train, tasks.Split):
         return _materialize(task), run_dir / "cache" / task.name  # token files, in place
     if settings.cache:

@@ -35,9 +35,9 @@ def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -
     t0 = time.perf_counter()
     where = "wonderland.task"
     try:
-        from . import tasks
+        from .lm import load_task
 
-        task = tasks.load(spec, settings).materialize()
+        task = load_task(spec, settings).materialize()
         x, y = _first_micro_batch(task, micro, settings.seed)
     except Refused as exc:
         return exc.findings

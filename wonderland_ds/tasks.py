@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .settings import WonderlandSettings
     from .tokens import TokenData
 
 __all__ = [
@@ -402,18 +401,15 @@ def pylm(dim: int = 128, layers: int = 4) -> Task:
 BUILTIN: dict[str, Callable[[], Task]] = {"digits": digits, "pylm": pylm}
 
 
-def load(spec: str, settings: WonderlandSettings | None = None) -> Task:
-    """``causal-lm`` (configured by ``settings``), a built-in task name or
-    ``module:function``; a bad spec is a refusal, not a traceback."""
+def load(spec: str) -> Task:
+    """A built-in task name or ``module:function``; a bad spec is a refusal, not a traceback.
+    (``causal-lm`` is configured by a config: ``lm.load_task``.)"""
     if spec == "causal-lm":
-        from .lm import causal_lm
-
-        if settings is None or settings.model is None or settings.data is None:
-            raise Refused(
-                "task causal-lm is configured in the config's wonderland section",
-                'give "wonderland": {"task": "causal-lm", "model": {...}, "data": {...}}',
-            )
-        return causal_lm(settings.model, settings.data)
+        raise Refused(
+            "task causal-lm is configured in a config's wonderland section and reads its token"
+            " files in place",
+            'give "wonderland": {"task": "causal-lm", "model": {...}, "data": {...}} in the config',
+        )
     if spec in BUILTIN:
         return BUILTIN[spec]()
     if ":" not in spec:

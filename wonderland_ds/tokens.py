@@ -181,31 +181,33 @@ class TokenData:
     def fingerprint(self, name: str) -> tuple[str, int]:
         """(sha256 of names, sizes, dtype, seq_len and the sampled blocks, largest sampled
         token): what stage 16 compares with stage 15's checkpoint."""
-        h = hashlib.sha256(f"{name}\0{self.dtype}\0{self.seq_len}\0".encode())
-        for f in self.files:
-            h.update(f"{f.path.name}\0{f.path.stat().st_size}\n".encode())
-        largest = -1
-        for path, off, data in self.sample_blocks():
-            h.update(f"{path.name}@{off}\0".encode())
-            h.update(data)
-            usable = len(data) - len(data) % np.dtype(DTYPES[self.dtype]).itemsize
-            if usable:
-                largest = max(largest, int(np.frombuffer(data[:usable], DTYPES[self.dtype]).max()))
-        return h.hexdigest(), largest
+        fp, _, high = self.read_blocks(name)
+        return fp, high
 
     def smallest_token(self) -> int:
         """The smallest token among the sampled blocks (a negative int32 id is bad data)."""
-        low = 0
-        for _, _, data in self.sample_blocks():
-            usable = len(data) - len(data) % np.dtype(DTYPES[self.dtype]).itemsize
+        return self.read_blocks("")[1]
+
+    def read_blocks(self, name: str) -> tuple[str, int, int]:
+        """One read of the sampled blocks: (fingerprint, smallest token or 0, largest)."""
+        h = hashlib.sha256(f"{name}\0{self.dtype}\0{self.seq_len}\0".encode())
+        for f in self.files:
+            h.update(f"{f.path.name}\0{f.path.stat().st_size}\n".encode())
+        low, high = 0, -1
+        item = np.dtype(DTYPES[self.dtype]).itemsize
+        for path, off, data in self.sample_blocks():
+            h.update(f"{path.name}@{off}\0".encode())
+            h.update(data)
+            usable = len(data) - len(data) % item
             if usable:
-                low = min(low, int(np.frombuffer(data[:usable], DTYPES[self.dtype]).min()))
-        return low
+                tokens = np.frombuffer(data[:usable], DTYPES[self.dtype])
+                low, high = min(low, int(tokens.min())), max(high, int(tokens.max()))
+        return h.hexdigest(), low, high
 
 
 #: Scans of unchanged files (keyed by names, sizes, mtimes and inodes), so a stage's data is
 #: fingerprinted once: by the front process, whose results rank 0 receives (stage.py).
-_SCANS: dict[str, tuple[str, int]] = {}
+_SCANS: dict[str, tuple[str, int, int]] = {}
 
 
 def _scan_key(data: TokenData, name: str) -> str:
@@ -216,11 +218,12 @@ def _scan_key(data: TokenData, name: str) -> str:
     return json.dumps(parts)
 
 
-def scan(data: TokenData, name: str) -> tuple[str, int]:
-    """(fingerprint, largest sampled token) of ``data``, computed once while unchanged."""
+def scan(data: TokenData, name: str) -> tuple[str, int, int]:
+    """(fingerprint, smallest and largest sampled token) of ``data``, computed once while the
+    files are unchanged."""
     key = _scan_key(data, name)
     if key not in _SCANS:
-        _SCANS[key] = data.fingerprint(name)
+        _SCANS[key] = data.read_blocks(name)
     return _SCANS[key]
 
 
@@ -233,5 +236,5 @@ def export_scans() -> dict[str, list[object]]:
 
 
 def import_scans(scans: dict[str, list[object]]) -> None:
-    for k, (fp, largest) in scans.items():
-        _SCANS[k] = (str(fp), int(largest))  # type: ignore[call-overload]
+    for k, (fp, low, high) in scans.items():
+        _SCANS[k] = (str(fp), int(low), int(high))  # type: ignore[call-overload]
