@@ -1,4 +1,11 @@
-# A small shim: metadata and tool settings live in pyproject.toml.
-from setuptools import setup
+# Metadata and tool settings live in pyproject.toml; this adds the shipped DeepSpeed configs and
+# hostfiles (top-level folders in the repository) to the wheel as package data.
+from setuptools import find_packages, setup
 
-setup()
+SHIPPED = {"wonderland_ds.shipped.ds_configs": "ds_configs", "wonderland_ds.shipped.hostfiles": "hostfiles"}
+
+setup(
+    packages=find_packages(include=["wonderland_ds", "wonderland_ds.*"]) + list(SHIPPED),
+    package_dir=SHIPPED,
+    package_data={name: ["*"] for name in SHIPPED},
+)

@@ -115,7 +115,8 @@ def plain_side(config: Path, out: Path, steps: int, warm: int) -> dict:
 FRONT = """
 import json, resource, sys, time
 t0 = time.perf_counter()
-from wonderland_ds import ds_config, lm
+from wonderland_ds.config import ds_config
+from wonderland_ds.data import lm
 raw, _ = ds_config.load_json(sys.argv[1])
 _, settings, _ = ds_config.validate(raw, sys.argv[1])
 task = lm.load_task(settings.task, settings).materialize()

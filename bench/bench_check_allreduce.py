@@ -30,7 +30,7 @@ import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wonderland_ds import distributed as dist  # noqa: E402
+from wonderland_ds.core import distributed as dist  # noqa: E402
 
 
 def spin(seconds: float) -> None:

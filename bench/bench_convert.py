@@ -60,7 +60,7 @@ def make_checkpoint(work: Path, dim: int, layers: int) -> Path:
 def stock(source: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal as d2u
 
-    from wonderland_ds.universal import converter_args
+    from wonderland_ds.checkpoint.universal import converter_args
 
     args = converter_args(source, out)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
@@ -68,7 +68,7 @@ def stock(source: Path, out: Path) -> None:
 
 
 def wonderland(source: Path, out: Path) -> dict:
-    from wonderland_ds.universal import _run_ds_to_universal
+    from wonderland_ds.checkpoint.universal import _run_ds_to_universal
 
     failure, how = _run_ds_to_universal(source, out)
     if failure is not None:

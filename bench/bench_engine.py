@@ -42,10 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from disk import write_speed  # noqa: E402
 
-from wonderland_ds import async_ckpt, cache, tasks  # noqa: E402
-from wonderland_ds import distributed as dist  # noqa: E402
-from wonderland_ds.comm_threads import short_gloo_slices  # noqa: E402
-from wonderland_ds.engine import (  # noqa: E402
+from wonderland_ds.checkpoint import async_save as async_ckpt
+from wonderland_ds.config.settings import Guards, WonderlandSettings  # noqa: E402
+from wonderland_ds.core import distributed as dist  # noqa: E402
+from wonderland_ds.data import cache, tasks  # noqa: E402
+from wonderland_ds.training.cpu import short_gloo_slices  # noqa: E402
+from wonderland_ds.training.engine import (
     Progress,
     StageRun,
     build,
@@ -54,7 +56,6 @@ from wonderland_ds.engine import (  # noqa: E402
     save,
     short_gil_waits,
 )
-from wonderland_ds.settings import Guards, WonderlandSettings  # noqa: E402
 
 
 def ds_config(zero: int, micro: int, gas: int, world: int) -> dict:
@@ -184,7 +185,7 @@ def wonderland_loop(
     settings = WonderlandSettings(
         train_steps=steps, save_interval=10**9, guards=g, **(settings or {})
     )
-    from wonderland_ds.ds_config import DSConfig
+    from wonderland_ds.config.ds_config import DSConfig
 
     run = StageRun(
         stage=15,
@@ -223,7 +224,7 @@ def with_constant(module, name: str, value, run):
 
 def gil_5ms(run):
     """``run()`` with engine.fit's GIL switch interval at Python's default, 5 ms."""
-    from wonderland_ds import engine
+    from wonderland_ds.training import engine
 
     return with_constant(engine, "SWITCH_INTERVAL_S", 0.005, run)
 
@@ -231,7 +232,7 @@ def gil_5ms(run):
 def one_step_reads(run):
     """``run()`` with the stage's loader reading one step at a time (data.CHUNK_STEPS 1)
     instead of the 16 it reads at once in the step loop."""
-    from wonderland_ds import data
+    from wonderland_ds.data import sampler as data
 
     return with_constant(data, "CHUNK_STEPS", 1, run)
 
@@ -251,14 +252,14 @@ def stage_sched(run):
 
 
 def _stats(task):
-    from wonderland_ds.tasks import normalization_stats
+    from wonderland_ds.data.tasks import normalization_stats
 
     return normalization_stats(task.train.x[:])
 
 
 def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
     settings = WonderlandSettings(keep_last=1)
-    from wonderland_ds.ds_config import DSConfig
+    from wonderland_ds.config.ds_config import DSConfig
 
     run = StageRun(
         stage=15,

@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from wonderland_ds import cache, tasks  # noqa: E402
-from wonderland_ds.data import GlobalSampler, Prefetcher  # noqa: E402
+from wonderland_ds.data import cache, tasks  # noqa: E402
+from wonderland_ds.data.sampler import GlobalSampler, Prefetcher  # noqa: E402
 
 
 class FilePerSample(Dataset):
@@ -75,7 +75,7 @@ def stage_stall(config: str, steps: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "wonderland_ds.cli",
+        "wonderland_ds.cli.main",
         "train",
         "--stage",
         "15",

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wonderland_ds import monitor  # noqa: E402
+from wonderland_ds.training import metrics as monitor  # noqa: E402
 
 
 def _master(folder: Path):

@@ -147,7 +147,7 @@ def deepspeed(cfg: Path, ckpt: Path, work: Path, name: str, nproc: int) -> dict:
         work / f"{name}.log",
     )
     result["launch_to_first_step_s"] = json.loads(out_json.read_text())["first_step_end"] - t0
-    from wonderland_ds.distributed import shm_buffers
+    from wonderland_ds.core.distributed import shm_buffers
 
     for path in shm_buffers(port):  # plain DeepSpeed leaves its /dev/shm buffers behind
         Path(path).unlink(missing_ok=True)

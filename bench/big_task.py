@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from wonderland_ds import tasks
+from wonderland_ds.data import tasks
 
 
 def pylm() -> tasks.Task:

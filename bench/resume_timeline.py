@@ -178,7 +178,7 @@ def main() -> None:
             row = {k: round(v, 2) for k, v in got.items()}
             row["gc_s"] = gc_seconds(work / f"gc-ds{rep}", t0 + got["first_step"])
             out["deepspeed"].append(row)
-            from wonderland_ds.distributed import shm_buffers
+            from wonderland_ds.core.distributed import shm_buffers
 
             for path in shm_buffers(port):  # plain DeepSpeed leaves its /dev/shm buffers behind
                 Path(path).unlink(missing_ok=True)

@@ -48,7 +48,7 @@ def stage15_fp32(tmp_path_factory) -> Path:
 def plain_ds_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """Checkpoints written by a plain DeepSpeed script (no wonderland), with and without an
     LR scheduler: what other teams hand over."""
-    from wonderland_ds.launch import free_port
+    from wonderland_ds.launch.command import free_port
 
     out = {}
     for name, extra in (("plain", []), ("no_scheduler", ["--no-scheduler"])):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.util import REPO
-from wonderland_ds.launch import free_port
+from wonderland_ds.launch.command import free_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

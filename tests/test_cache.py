@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from wonderland_ds import cache, cli, tasks
-from wonderland_ds.findings import Refused
+from wonderland_ds.cli import main as cli
+from wonderland_ds.core.findings import Refused
+from wonderland_ds.data import cache, tasks
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +123,8 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
     rebuilds and compares fingerprints (same data: fine; other data: refused)."""
     import argparse
 
-    from wonderland_ds import stage
-    from wonderland_ds.settings import WonderlandSettings
+    from wonderland_ds.config.settings import WonderlandSettings
+    from wonderland_ds.launch import stage
 
     base = tasks.digits().materialize()
     state = {"key": "v1", "builds": 0, "flip": False}

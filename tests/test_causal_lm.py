@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.helpers.util import REPO, snapshot, wonderland
-from wonderland_ds import cli
-from wonderland_ds.tasks import ModelContractError, standard_loss
+from wonderland_ds.cli import main as cli
+from wonderland_ds.data.tasks import ModelContractError, standard_loss
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,7 +184,8 @@ def test_the_task_loss_is_the_hf_models_own(setup):
     """The built-in task's loss on a batch equals the model's loss given labels (the loss
     stage 17 and a reloaded export compute)."""
     edit, _ = setup
-    from wonderland_ds import ds_config, lm
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.data import lm
 
     raw, _ = ds_config.load_json(edit())
     _, settings, _ = ds_config.validate(raw)

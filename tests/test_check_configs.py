@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from wonderland_ds import cli, ds_config
+from wonderland_ds.cli import main as cli
+from wonderland_ds.config import ds_config
 
 BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -729,7 +730,7 @@ def test_cli_process_exits_2_without_traceback(tmp_path: Path) -> None:
     deep = tmp_path / "deep.json"
     deep.write_bytes(b"[" * 100_000)
     proc = subprocess.run(
-        [sys.executable, "-m", "wonderland_ds.cli", "check", str(broken), str(deep)],
+        [sys.executable, "-m", "wonderland_ds.cli.main", "check", str(broken), str(deep)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -743,7 +744,7 @@ def test_cli_process_exits_2_without_traceback(tmp_path: Path) -> None:
 def test_check_does_not_import_torch(tmp_path: Path) -> None:
     """`check` must answer in well under a second (cli.py): no torch, no deepspeed."""
     code = (
-        "import sys; from wonderland_ds import cli; rc = cli.main(['check', sys.argv[1]]); "
+        "import sys; from wonderland_ds.cli import main as cli; rc = cli.main(['check', sys.argv[1]]); "
         "heavy = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules); "
         "print('HEAVY', heavy); sys.exit(rc)"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wonderland_ds import checkpoint as ck
+from wonderland_ds.checkpoint import contract as ck
 
 
 def fake(root: Path, step: int, complete: bool = True) -> Path:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from wonderland_ds import async_ckpt
-from wonderland_ds import checkpoint as ck
-from wonderland_ds.ckpt_inspect import safe_load
+from wonderland_ds.checkpoint import async_save as async_ckpt
+from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.checkpoint.describe import safe_load
 
 WORLD, FILES_PER_RANK = 2, 4
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from wonderland_ds import cli, doctor
+from wonderland_ds.cli import main as cli
+from wonderland_ds.doctor import doctor
 
 REPO = Path(__file__).resolve().parents[1]
 DS_MINOR_OK = {12: ["12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.8", "12.9"]}
@@ -22,7 +23,7 @@ def report() -> dict:
     """The real command line, as an operator runs it: exit code and clean JSON on stdout."""
     env = {k: v for k, v in os.environ.items() if "NCCL" not in k}
     r = subprocess.run(
-        [sys.executable, "-m", "wonderland_ds.cli", "doctor", "--json"],
+        [sys.executable, "-m", "wonderland_ds.cli.main", "doctor", "--json"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -210,7 +211,7 @@ def test_prebuild_unknown_op_is_refused(tmp_path, capsys):
 
 
 def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
-    from wonderland_ds import comm_threads
+    from wonderland_ds.training import cpu as comm_threads
 
     found = doctor.check_time_slices()
     assert found.rule == "doctor-time-slices"

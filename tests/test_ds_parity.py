@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CORPUS, REPO
-from wonderland_ds import ds_config, ds_keys
+from wonderland_ds.config import ds_config, ds_keys
 
 BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,

@@ -249,7 +249,7 @@ def test_disk_full_during_a_save(tmp_path):
     assert [p.name for p in sorted(root.glob("global_step*"))] == ["global_step10"]
     assert (root / "latest").read_text() == "global_step10"
     assert not list(root.rglob("*.tmp"))
-    from wonderland_ds import checkpoint as ck
+    from wonderland_ds.checkpoint import contract as ck
 
     assert ck.verify(root / "global_step10").complete
     inspect = wonderland("inspect", str(root), "--json")

@@ -96,7 +96,7 @@ def broken(stage15, tmp_path_factory) -> SimpleNamespace:
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 367, 1000])
 def test_shards_count_every_sample_once_in_the_same_blocks(n):
-    from wonderland_ds.evaluate import shard
+    from wonderland_ds.eval.evaluate import shard
 
     blocks = {}
     for world in (1, 2, 3, 4):
@@ -112,8 +112,8 @@ def _metrics(recalls: list[float]) -> dict:
 
 
 def test_gate_names_dropped_and_collapsed_classes():
-    from wonderland_ds.evaluate import gate
-    from wonderland_ds.tasks import digits
+    from wonderland_ds.data.tasks import digits
+    from wonderland_ds.eval.evaluate import gate
 
     task = digits()
     base = _metrics([1.0] * 10)
@@ -130,7 +130,7 @@ def test_gate_names_dropped_and_collapsed_classes():
 
 
 def test_plots_without_training_metrics(tmp_path):
-    from wonderland_ds.plots import write_plots
+    from wonderland_ds.eval.plots import write_plots
 
     rows = [
         {"class": c, "recall": 0.5, "support": 4, "minority": c == 1, "f1": 0.5} for c in range(3)
@@ -150,14 +150,14 @@ def test_plots_without_training_metrics(tmp_path):
 
 
 def test_gate_config_passes_check():
-    from wonderland_ds.ds_config import check_file
+    from wonderland_ds.config.ds_config import check_file
 
     for world in (1, 2, 3):
         assert check_file(GATE, world, {15, 16, 17}) == [], world
 
 
 def test_eval_refuses_bad_input_before_launching(tmp_path, capsys):
-    from wonderland_ds.cli import main
+    from wonderland_ds.cli.main import main
 
     assert main(["eval", "--checkpoint", str(tmp_path / "nope")]) == 2
     assert "checkpoint path does not exist" in capsys.readouterr().err
@@ -245,7 +245,8 @@ def test_broken_stage16_fails_the_gate_naming_the_minority_classes(broken):
 @pytest.mark.slow
 @pytest.mark.nightly
 def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
-    from wonderland_ds import evaluate, tasks
+    from wonderland_ds.data import tasks
+    from wonderland_ds.eval import evaluate
 
     two = json.loads((healthy.out / "report.json").read_text())  # 2 ranks
     three = json.loads((broken.run / "stage17" / "report.json").read_text())  # 3 ranks
@@ -271,7 +272,7 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
 def test_lm_metrics_per_source_and_gate():
     import math
 
-    from wonderland_ds.evaluate import lm_gate, lm_metrics
+    from wonderland_ds.eval.evaluate import lm_gate, lm_metrics
 
     totals = {"os": (128 * 5.0, 256), "json": (128 * 4.0, 128)}  # (summed loss, tokens)
     m = lm_metrics(totals)

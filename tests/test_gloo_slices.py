@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from wonderland_ds import comm_threads, engine
-from wonderland_ds.settings import WonderlandSettings
+from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.training import cpu as comm_threads
+from wonderland_ds.training import engine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,7 +209,7 @@ def test_fit_trains_with_short_gloo_slices_and_notes_when_it_could_not(named, mo
 
 CHILD = """
 import tempfile, torch.distributed as dist
-from wonderland_ds import comm_threads
+from wonderland_ds.training import cpu as comm_threads
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 names = sorted(set(comm_threads.gloo_threads().values()))
 with comm_threads.short_gloo_slices(100) as why:

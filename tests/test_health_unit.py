@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from wonderland_ds import faults, health
-from wonderland_ds.settings import Guards
+from wonderland_ds.config.settings import Guards
+from wonderland_ds.training import faults, health
 
 G = Guards()
 HOSTS = ["h0", "h1", "h2"]
@@ -100,7 +100,7 @@ def _probe_schedule(
     """Drive StepGuards._probe_due as judge() does with a check every step: a probe's cost
     arrives in the next step's row. The stage starts after global step ``first``; ``hint``:
     the start check's probe time."""
-    from wonderland_ds.guards import StepGuards
+    from wonderland_ds.training.guards import StepGuards
 
     sg = StepGuards.__new__(StepGuards)
     sg.g, sg.world, sg.step_ema, sg.probe_intervals = g, world, None, []
@@ -119,7 +119,7 @@ def _probe_schedule(
 
 
 def test_adaptive_comm_probe_stays_within_its_budget():
-    from wonderland_ds.settings import Guards
+    from wonderland_ds.config.settings import Guards
 
     # Measured on this machine: a 28 ms probe, 15 ms digits steps; a 1% budget.
     due = _probe_schedule(Guards(comm_probe_budget=0.01), 0.015, 0.028, 2000)
@@ -146,7 +146,7 @@ def test_adaptive_comm_probe_stays_within_its_budget():
 
 
 def test_first_probe_is_placed_by_the_start_checks_probe_time():
-    from wonderland_ds.settings import Guards
+    from wonderland_ds.config.settings import Guards
 
     # The start check (at the stage's start) timed the probe: it counts as the probe at the
     # first step, so the first in-training probe already keeps to the budget.
@@ -175,7 +175,7 @@ def test_rollback_forgets_the_losses_after_its_step_even_past_a_nan():
 
 
 def _judge_guards(stage_dir=None, world: int = 2):
-    from wonderland_ds.guards import StepGuards
+    from wonderland_ds.training.guards import StepGuards
 
     sg = StepGuards.__new__(StepGuards)
     sg.g = Guards(fingerprint_interval=5, comm_probe_interval=0)
@@ -211,7 +211,7 @@ def test_divergence_is_judged_from_the_step_it_was_seen_at(tmp_path):
 def test_fp16_loss_scale_is_read_from_either_optimizer_kind():
     from types import SimpleNamespace
 
-    from wonderland_ds.engine import loss_scale
+    from wonderland_ds.training.engine import loss_scale
 
     zero = SimpleNamespace(optimizer=SimpleNamespace(cur_scale=512.0))
     plain = SimpleNamespace(
@@ -240,7 +240,7 @@ def test_cuda_hosts_get_gloo_for_cpu_tensors_beside_nccl(monkeypatch):
 
     import deepspeed.accelerator
 
-    from wonderland_ds import distributed
+    from wonderland_ds.core import distributed
 
     for name, want in (("cuda", "cpu:gloo,cuda:nccl"), ("cpu", None)):
         fake = SimpleNamespace(device_name=lambda n=name: n)
@@ -254,8 +254,8 @@ def test_hook_norms_match_an_fp64_norm_and_fp16_does_not_overflow(dtype, tmp_pat
     result: within 0.4%) and in fp32 for fp16, whose scaled gradients can pass 65504."""
     import torch
 
-    from wonderland_ds import faults
-    from wonderland_ds.guards import StepGuards
+    from wonderland_ds.training import faults
+    from wonderland_ds.training.guards import StepGuards
 
     torch.manual_seed(0)
     dt = getattr(torch, dtype)
@@ -283,8 +283,8 @@ def test_hooks_measure_the_last_micro_batch_and_a_drop_zeroes_every_one(tmp_path
     gradient, so the fault really reaches the reduction."""
     import torch
 
-    from wonderland_ds import faults
-    from wonderland_ds.guards import StepGuards
+    from wonderland_ds.training import faults
+    from wonderland_ds.training.guards import StepGuards
 
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)

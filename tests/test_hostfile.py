@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from wonderland_ds import cli, hostfile
+from wonderland_ds.cli import main as cli
+from wonderland_ds.config import hostfile
 
 SHIPPED = sorted(p for p in (REPO / "hostfiles").iterdir() if p.is_file())
 

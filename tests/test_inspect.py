@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from wonderland_ds import cli
+from wonderland_ds.cli import main as cli
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from tests.helpers.util import REPO
-from wonderland_ds import launch
-from wonderland_ds.hostfile import parse
+from wonderland_ds.config.hostfile import parse
+from wonderland_ds.launch import command as launch
 
 
 def test_env_file_carries_gloo_torch_and_wonderland_vars_and_skips_unquotable(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import TINY32
 from tests.helpers.util import REPO
-from wonderland_ds.launch import free_port
+from wonderland_ds.launch.command import free_port
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent

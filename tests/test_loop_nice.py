@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-from wonderland_ds import engine
-from wonderland_ds.settings import WonderlandSettings
+from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.training import engine
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from wonderland_ds import pickles
-from wonderland_ds.ckpt_inspect import peek_states, scan_pickles
+from wonderland_ds.checkpoint import pickles
+from wonderland_ds.checkpoint.describe import peek_states, scan_pickles
 
 
 def test_the_allowlist_is_the_installed_torchs():
@@ -102,7 +102,7 @@ def test_the_front_process_never_imports_torch(tmp_path):
     its import was 2 s of every launch (BENCHMARKS.md section 5)."""
     code = (
         "import sys\n"
-        "from wonderland_ds import cli\n"
+        "from wonderland_ds.cli import main as cli\n"
         f"rc = cli.main(['train', '--stage', '15', '--run-dir', {str(tmp_path / 'r')!r},"
         " '--dry-run'])\n"
         "print('rc', rc, 'torch' in sys.modules, 'deepspeed' in sys.modules)\n"

@@ -12,8 +12,9 @@ import torch
 
 from tests.conftest import TINY32
 from tests.helpers.util import snapshot
-from wonderland_ds import checkpoint as ck
-from wonderland_ds import cli, preflight
+from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.cli import main as cli
+from wonderland_ds.run import preflight
 
 pytestmark = pytest.mark.slow
 
@@ -224,6 +225,6 @@ def test_resume_auto_with_nothing_complete_never_starts_fresh(tmp_path):
 
 
 def _fingerprint() -> str:
-    from wonderland_ds.tasks import digits
+    from wonderland_ds.data.tasks import digits
 
     return digits().materialize().fingerprint

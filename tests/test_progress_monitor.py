@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from wonderland_ds import monitor
-from wonderland_ds.progress import ProgressDisplay, hms, rate
+from wonderland_ds.training import metrics as monitor
+from wonderland_ds.training.progress import ProgressDisplay, hms, rate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -319,9 +319,9 @@ RANK_SCRIPT = textwrap.dedent(
     import json, sys, time
     from pathlib import Path
     import deepspeed, torch
-    from wonderland_ds import distributed as dist
-    from wonderland_ds.monitor import MetricsSink, guard_figures
-    from wonderland_ds.progress import ProgressDisplay
+    from wonderland_ds.core import distributed as dist
+    from wonderland_ds.training.metrics import MetricsSink, guard_figures
+    from wonderland_ds.training.progress import ProgressDisplay
 
     out = Path(sys.argv[1])
     dist.init(60)
@@ -396,7 +396,7 @@ RANK_SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    from wonderland_ds.launch import free_port
+    from wonderland_ds.launch.command import free_port
 
     out = tmp_path_factory.mktemp("progress_run")
     script = out / "ranks.py"

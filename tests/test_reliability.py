@@ -29,10 +29,11 @@ from tests.helpers.util import snapshot, wonderland
 from tests.test_check_configs import BROKEN as BROKEN_CONFIGS
 from tests.test_check_configs import MALFORMED, mutate
 from tests.test_hostfile import BROKEN as BROKEN_HOSTFILES
-from wonderland_ds import checkpoint as ck
-from wonderland_ds import cli, manifest
-from wonderland_ds.commands import build_train_parser
-from wonderland_ds.stage_args import overrides
+from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.cli import main as cli
+from wonderland_ds.cli.commands import build_train_parser
+from wonderland_ds.launch.flags import overrides
+from wonderland_ds.run import manifest
 
 STAGE16 = ["--stage", "16", "--optimizer-state", "--scheduler-state"]
 MODEL = "mp_rank_00_model_states.pt"
@@ -251,7 +252,7 @@ def test_hung_rank_fails_within_the_process_group_timeout_naming_it(tmp_path):
     timeout_s = json.loads(HANG_CONFIG.read_text())["wonderland"]["process_group_timeout_s"]
     grace_s = max(3, min(30, timeout_s // 4))  # distributed.explain_timeout's wait
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "wonderland_ds.cli", "train", "--stage", "15"]
+    cmd = [sys.executable, "-m", "wonderland_ds.cli.main", "train", "--stage", "15"]
     cmd += ["--config", str(HANG_CONFIG), "--run-dir", str(run)]
     cmd += ["--fault", "hang@step:step=3:rank=1"]
     proc = subprocess.Popen(
@@ -656,7 +657,7 @@ def test_resume_refuses_a_payload_unless_trusted(capsys, poisoned, tmp_path):
 @pytest.mark.slow
 def test_deepspeed_optimizer_files_pass_the_allowlist(src):
     """Our own checkpoints are not refused: DeepSpeed's pickled classes are allowlisted."""
-    from wonderland_ds.ckpt_inspect import safe_load, scan_pickles
+    from wonderland_ds.checkpoint.describe import safe_load, scan_pickles
 
     assert scan_pickles(src) == []
     states, why = safe_load(src / OPTIM0)

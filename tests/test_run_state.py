@@ -19,7 +19,10 @@ import pytest
 
 from tests.conftest import TINY32
 from tests.helpers.util import REPO, snapshot, wonderland
-from wonderland_ds import cli, launch, quiet, runstate
+from wonderland_ds.cli import main as cli
+from wonderland_ds.core import quiet
+from wonderland_ds.launch import command as launch
+from wonderland_ds.run import liveness as runstate
 
 
 def beat(stage_dir: Path, rank: int, pid: int, host: str, age: float) -> None:
@@ -100,7 +103,7 @@ def test_jit_ops_are_built_per_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/mine")  # the user's choice wins
     assert launch.extensions_dir(os.environ) == Path("/mine")
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    from wonderland_ds.hostfile import parse
+    from wonderland_ds.config.hostfile import parse
 
     hf, _ = parse(str(REPO / "hostfiles" / "localhost"))
     assert hf is not None
@@ -125,7 +128,7 @@ def test_a_taken_port_is_never_handed_to_the_launcher(monkeypatch):
 
 
 def test_optimizer_names_deepspeed_resolves_late_are_checked_now(tmp_path):
-    from wonderland_ds import ds_config
+    from wonderland_ds.config import ds_config
 
     raw = json.loads(Path(TINY32).read_text())
     for name, ok in (("AdamW", True), ("adamw", True), ("SGD", True), ("AdamWW", False)):
@@ -144,7 +147,7 @@ def test_optimizer_names_match_the_installed_deepspeed_and_torch():
     import torch
     from deepspeed.runtime import config as ds_cfg
 
-    from wonderland_ds.ds_config import DEEPSPEED_OPTIMIZERS, torch_optimizers
+    from wonderland_ds.config.ds_config import DEEPSPEED_OPTIMIZERS, torch_optimizers
 
     assert set(DEEPSPEED_OPTIMIZERS) == set(ds_cfg.DEEPSPEED_OPTIMIZERS)
     real = {
@@ -235,7 +238,7 @@ def test_a_fault_on_every_attempt_stops_after_max_restarts(stage15_fp32, tmp_pat
 def _stage16_until(run: Path, step: int, *extra: str) -> subprocess.Popen:
     """`wonderland train --stage 16` in its own process group, once it passed ``step``."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "wonderland_ds.cli", "train", "--stage", "16", "--config",
+        [sys.executable, "-m", "wonderland_ds.cli.main", "train", "--stage", "16", "--config",
          TINY32, "--run-dir", str(run), "--resume", "auto", "--optimizer-state",
          "--scheduler-state", "--steps", "3000", *extra],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -270,7 +273,7 @@ def test_sigkill_of_the_whole_group_reads_interrupted_at_once(stage15_fp32, tmp_
 
 
 def test_stale_stages_follow_the_lineage(tmp_path):
-    from wonderland_ds import checkpoint as ck
+    from wonderland_ds.checkpoint import contract as ck
 
     def tag(stage: int, step: int) -> str:
         d = tmp_path / f"stage{stage}" / "checkpoints" / f"global_step{step}"
@@ -342,8 +345,8 @@ def test_a_killed_stage_reads_interrupted_and_the_pipeline_mends_it(tmp_path):
 
 
 def test_hosts_a_timeout_names_are_excluded_from_the_next_launch(tmp_path):
-    from wonderland_ds.hostfile import parse
-    from wonderland_ds.stage import _named_hosts
+    from wonderland_ds.config.hostfile import parse
+    from wonderland_ds.launch.stage import _named_hosts
 
     hung = (
         "a collective timed out after the 60 s process-group timeout on rank 0; rank 2"
@@ -365,9 +368,9 @@ def test_hosts_a_timeout_names_are_excluded_from_the_next_launch(tmp_path):
 def test_only_training_stages_refuse_a_rerun(tmp_path):
     import argparse
 
-    from wonderland_ds import manifest
-    from wonderland_ds.commands import _refuse_rerun
-    from wonderland_ds.findings import Refused
+    from wonderland_ds.cli.commands import _refuse_rerun
+    from wonderland_ds.core.findings import Refused
+    from wonderland_ds.run import manifest
 
     for n in (15, 16, 17, 18):
         manifest.update_stage(tmp_path, n, status="ok")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from wonderland_ds.data import GlobalSampler, LoaderState, sample_digest
+from wonderland_ds.data.sampler import GlobalSampler, LoaderState, sample_digest
 
 
 def step_samples(sampler: GlobalSampler, start: int, micro: int, gas: int, world: int):
@@ -54,7 +54,7 @@ def test_loader_state_epoch():
 
 @pytest.mark.parametrize("threshold", [0.0, 10.0])  # 0: always hand over to the thread
 def test_prefetcher_yields_the_same_batches_inline_or_threaded(threshold):
-    from wonderland_ds.data import Prefetcher
+    from wonderland_ds.data.sampler import Prefetcher
 
     x = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
     y = np.arange(200, dtype=np.int64)
@@ -102,7 +102,7 @@ def test_prefetcher_judges_its_source_by_the_median_read(first, threaded):
     """Slow first reads (warm-up) must not hand a fast source to a thread for good (measured on
     digits: the first reads took 2-11 ms, later ones 45 us; by the mean it went threaded and a
     read then cost 145 us); a source that stays slow still gets the thread."""
-    from wonderland_ds.data import Prefetcher
+    from wonderland_ds.data.sampler import Prefetcher
 
     x = _SlowSource(np.zeros((64, 3), dtype=np.float32), 0.01, first)  # mean of 8: 2.5 ms
     y = np.zeros(64, dtype=np.int64)
@@ -138,7 +138,7 @@ def test_prefetcher_reads_chunks_of_steps_with_the_same_batches(chunk_steps, chu
     """Read in the loop, the steps after the timed first reads come in chunks (fewer numpy
     calls on cold CPU caches); positions, samples and digests are the same as a step at a
     time, across epoch boundaries (200 samples, 16 a step) and up to the last step."""
-    from wonderland_ds.data import Prefetcher
+    from wonderland_ds.data.sampler import Prefetcher
 
     xa = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
     x, y = _CountedSource(xa), np.arange(200, dtype=np.int64)

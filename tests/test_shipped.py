@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CORPUS, REPO
-from wonderland_ds import cli, ds_config, hostfile
+from wonderland_ds.cli import main as cli
+from wonderland_ds.config import ds_config, hostfile
 
 CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 HOSTFILES = sorted(p for p in (REPO / "hostfiles").iterdir() if p.is_file())

@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 from tests.helpers.util import REPO
-from wonderland_ds import startup
+from wonderland_ds.training import startup
 
 
 class Node:
@@ -83,12 +83,14 @@ def test_train_py_holds_the_collector_for_the_stage_and_releases_it_on_the_way_o
     code = """
 import gc, sys, types
 # No process group here: a stand-in for the distributed module (it would import torch).
-fake = types.ModuleType("wonderland_ds.distributed")
+fake = types.ModuleType("wonderland_ds.core.distributed")
 fake.teardown = lambda agreed: None
 fake.is_main = lambda: True
-sys.modules["wonderland_ds.distributed"] = fake
+fake.log = lambda msg: None
+sys.modules["wonderland_ds.core.distributed"] = fake
 import wonderland_ds.train as train
-from wonderland_ds import stage, startup
+from wonderland_ds.launch import stage
+from wonderland_ds.training import startup
 seen = {}
 hold = startup.hold
 def spy_hold():
@@ -129,8 +131,9 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
     collector through its start runs it with the collector on."""
     import argparse
 
-    from wonderland_ds import stage, tasks
-    from wonderland_ds.settings import WonderlandSettings
+    from wonderland_ds.config.settings import WonderlandSettings
+    from wonderland_ds.data import tasks
+    from wonderland_ds.launch import stage
 
     seen: list[bool] = []
 
@@ -157,8 +160,8 @@ def test_fit_trains_with_short_gil_waits_and_restores_the_interval(monkeypatch):
     import sys
     import types
 
-    from wonderland_ds import engine
-    from wonderland_ds.settings import WonderlandSettings
+    from wonderland_ds.config.settings import WonderlandSettings
+    from wonderland_ds.training import engine
 
     seen: list[float] = []
 

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from wonderland_ds.data import GlobalSampler, Prefetcher
-from wonderland_ds.findings import Refused
-from wonderland_ds.tokens import (
+from wonderland_ds.core.findings import Refused
+from wonderland_ds.data.sampler import GlobalSampler, Prefetcher
+from wonderland_ds.data.tokens import (
     BLOCK_BYTES,
     FINGERPRINT_BLOCKS,
     IGNORE,

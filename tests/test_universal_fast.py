@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.helpers.util import REPO, same
-from wonderland_ds import universal
-from wonderland_ds.findings import Refused
+from wonderland_ds.checkpoint import universal
+from wonderland_ds.core.findings import Refused
 
 pytestmark = pytest.mark.slow
 

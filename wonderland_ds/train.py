@@ -15,9 +15,10 @@ if __package__ in (None, ""):  # run as a script: import the package, not siblin
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     sys.path.insert(0, os.path.dirname(here))
 
-from wonderland_ds import quiet, startup
-from wonderland_ds.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
-from wonderland_ds.stage_args import add_stage_flags
+from wonderland_ds.core import quiet
+from wonderland_ds.core.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
+from wonderland_ds.launch.flags import add_stage_flags
+from wonderland_ds.training import startup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
-    from wonderland_ds import distributed as dist
-    from wonderland_ds import stage
+    from wonderland_ds.core import distributed as dist
+    from wonderland_ds.launch import stage
 
     agreed = False  # every rank reached the same end: tear down behind a barrier
     try:

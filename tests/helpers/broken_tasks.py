@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from wonderland_ds.tasks import Split, Task, digits
+from wonderland_ds.data.tasks import Split, Task, digits
 
 
 def digits_without_minority() -> Task:

@@ -28,8 +28,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers.util import same  # noqa: E402
-from wonderland_ds import async_ckpt  # noqa: E402
-from wonderland_ds import distributed as dist  # noqa: E402
+from wonderland_ds.checkpoint import async_save as async_ckpt  # noqa: E402
+from wonderland_ds.core import distributed as dist  # noqa: E402
 
 
 def step(engine, gen, writer: async_ckpt.Writer | None, waited: list[float]) -> None:

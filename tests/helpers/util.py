@@ -30,7 +30,7 @@ def wonderland(*args: str, timeout: int = 240, env: dict[str, str] | None = None
     """Run the `wonderland` command as a user would (a separate process)."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "wonderland_ds.cli", *args],
+        [sys.executable, "-m", "wonderland_ds.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -1,0 +1,356 @@
+"""Before any training step: find the checkpoint to resume and decide whether it may be used.
+
+Every check returns findings (ok / warn / error with message and fix); an error refuses the
+stage with exit 2 before anything is written. Never a fresh start when a resume was asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.checkpoint.describe import describe, resolve_tag_dir
+from wonderland_ds.config import stages
+from wonderland_ds.core.findings import Finding
+from wonderland_ds.data.sampler import ORDER
+from wonderland_ds.run import manifest
+
+#: Override flags a user may pass; each is recorded in the manifest when used.
+OVERRIDES = ("allow-seed-change", "allow-data-change", "trust-checkpoint")
+
+
+@dataclass
+class Plan:
+    stage: int
+    source: Path | None = None
+    """The checkpoint folder to load (None: fresh start)."""
+    source_info: dict[str, Any] = field(default_factory=dict)
+    universal: bool = False
+    """World size, ZeRO stage or precision changed: load through a universal checkpoint."""
+    continuing: bool = False
+    """The source is this stage's own checkpoint (an interrupted stage resumed)."""
+    findings: list[Finding] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "source": str(self.source) if self.source else None,
+            "universal": self.universal,
+            "continuing": self.continuing,
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+
+def stage_ckpt_root(run_dir: Path, stage: int) -> Path:
+    return run_dir / f"stage{stage}" / "checkpoints"
+
+
+def _auto(
+    run_dir: Path, stage: int, own_folder: bool = True
+) -> tuple[Path | None, bool, list[Finding]]:
+    """Newest complete checkpoint of this stage (interrupted) or else the previous one;
+    ``own_folder=False``: the previous one (a new attempt of a stage)."""
+    prev = stages.previous_training_stage(stage)
+    roots = [(stage_ckpt_root(run_dir, stage), True)] if own_folder else []
+    if prev is not None:
+        roots.append((stage_ckpt_root(run_dir, prev), False))
+    out: list[Finding] = []
+    for root, own in roots:
+        if not ck.tags(root):
+            continue
+        latest = ck.read_latest(root)
+        latest_step = None if latest is None else ck.step_of(latest)
+        if latest is not None and latest_step is None:
+            # Only a tag name may be joined to the root: an edited latest must not lead outside.
+            out.append(
+                Finding(
+                    "resume-auto",
+                    "warn",
+                    f"latest holds {latest[:80]!r}, not a checkpoint tag (global_stepN)",
+                    "",
+                    str(root / ck.LATEST),
+                )
+            )
+        elif latest is not None and latest_step is not None:
+            v = ck.verify(root / latest)
+            if v.complete:
+                found = [
+                    Finding("resume-auto", "ok", f"resuming from {v.tag_dir} (named by latest)")
+                ]
+                newer = [p for s, p in ck.tags(root) if s > latest_step and ck.read_meta(p)]
+                if newer:
+                    found.append(
+                        Finding(
+                            "resume-auto",
+                            "warn",
+                            f"latest names {latest}, but {newer[-1].name} is newer and has"
+                            f" metadata (latest was edited, or a save stopped before updating"
+                            f" it): resuming from {latest}, as latest says",
+                            f"to resume the newer one, pass --resume {newer[-1]}",
+                            str(root / ck.LATEST),
+                        )
+                    )
+                return v.tag_dir, own, found
+            why = "; ".join(f.message for f in v.findings)
+            out.append(
+                Finding(
+                    "resume-auto",
+                    "warn",
+                    f"latest names {latest}, which is not complete ({why})",
+                    "",
+                    str(root / ck.LATEST),
+                )
+            )
+        newest = ck.newest_complete(root)
+        if newest is not None:
+            return (
+                newest.tag_dir,
+                own,
+                out
+                + [
+                    Finding(
+                        "resume-auto",
+                        "warn",
+                        f"falling back to the newest complete checkpoint {newest.tag_dir}",
+                        "",
+                    )
+                ],
+            )
+    where = ", ".join(str(r) for r, _ in roots)
+    return (
+        None,
+        False,
+        out
+        + [
+            Finding(
+                "resume-auto",
+                "error",
+                f"--resume auto found no complete checkpoint in {where}",
+                "run the previous stage first, or pass --resume PATH (a fresh start is never implied)",
+                str(run_dir),
+            )
+        ],
+    )
+
+
+def resolve(
+    resume: str | None, run_dir: Path, stage: int, own_folder: bool = True
+) -> tuple[Path | None, bool, list[Finding]]:
+    st = stages.get(stage)
+    if resume is None:
+        own = stage_ckpt_root(run_dir, stage)
+        if own_folder and ck.tags(own):
+            return (
+                None,
+                False,
+                [
+                    Finding(
+                        "resume-missing",
+                        "error",
+                        f"stage {stage} already has checkpoints in {own}; starting over would mix runs",
+                        "pass --resume auto to continue it, or use a new --run-dir",
+                        str(own),
+                    )
+                ],
+            )
+        if st.resumes:
+            prev = stages.previous_training_stage(stage)
+            return (
+                None,
+                False,
+                [
+                    Finding(
+                        "resume-missing",
+                        "error",
+                        f"stage {stage} ({st.name}) resumes stage {prev}'s checkpoint",
+                        "pass --resume /path/to/checkpoint or --resume auto",
+                    )
+                ],
+            )
+        return None, False, [Finding("resume", "ok", "fresh start (no --resume)")]
+    if resume == "auto":
+        return _auto(run_dir, stage, own_folder)
+    path = Path(resume)
+    if not path.exists():
+        return (
+            None,
+            False,
+            [
+                Finding(
+                    "ckpt-missing",
+                    "error",
+                    "checkpoint path does not exist",
+                    "pass an existing checkpoint folder",
+                    resume,
+                )
+            ],
+        )
+    tag_dir = resolve_tag_dir(path)
+    if tag_dir != path and not tag_dir.is_dir():
+        latest = path / ck.LATEST if (path / ck.LATEST).exists() else path
+        return (
+            None,
+            False,
+            [
+                Finding(
+                    "ckpt-latest",
+                    "error",
+                    f"'latest' names {tag_dir.name}, which does not exist",
+                    "pass a complete global_stepN folder, or --resume auto to fall back to the newest"
+                    " complete checkpoint",
+                    str(latest),
+                )
+            ],
+        )
+    own = stage_ckpt_root(run_dir, stage).resolve()
+    return (
+        tag_dir,
+        tag_dir.resolve().parent == own,
+        [Finding("resume", "ok", f"resuming from {tag_dir}")],
+    )
+
+
+def check(
+    stage: int,
+    resume: str | None,
+    run_dir: Path,
+    *,
+    min_warmup: int,
+    seed: int,
+    fingerprint: str,
+    task: str = "",
+    config: str = "",
+    world_size: int,
+    zero_stage: int,
+    precision: str,
+    overrides: set[str] = frozenset(),  # type: ignore[assignment]
+    own_folder: bool = True,
+) -> Plan:
+    """``own_folder=False``: a new attempt of the stage, whose old folder is about to be
+    moved aside, never resumes from it."""
+    plan = Plan(stage)
+    source, continuing, found = resolve(resume, run_dir, stage, own_folder)
+    plan.findings += found
+    if source is None:
+        return plan
+    plan.source, plan.continuing = source, continuing
+    trust = "trust-checkpoint" in overrides
+    info, found = describe(source, deep=True, trust=trust)
+    plan.source_info = info
+    # A plain DeepSpeed checkpoint (no metadata) cannot be verified: that is a refusal. A file
+    # that would run code when DeepSpeed unpickles it is one too, unless the user vouched for
+    # the checkpoint (--trust-checkpoint, recorded in the manifest).
+    plan.findings += [
+        Finding(f.rule, "error", f.message, f.fix, f.file, f.path)
+        if f.rule == "ckpt-metadata"
+        else Finding(
+            f.rule, "warn", f"{f.message} (trusted: --trust-checkpoint)", "", f.file, f.path
+        )
+        if f.rule == "ckpt-untrusted" and trust and f.severity == "error"
+        else f
+        for f in found
+    ]
+    st = stages.get(stage)
+    if st.preflight and not continuing:
+        progress = info.get("warmup_progress")
+        if progress is not None and progress < min_warmup:
+            plan.findings.append(
+                Finding(
+                    "warmup-behind",
+                    "error",
+                    f"only {progress} LR-warmup steps are behind this checkpoint; stage {stage}"
+                    f" needs {min_warmup} (the optimizer oscillates otherwise)",
+                    f"train the previous stage for at least {min_warmup} steps with a warmup"
+                    " scheduler, then resume its last checkpoint",
+                    str(source),
+                )
+            )
+        elif progress is not None:
+            plan.findings.append(
+                Finding("warmup-behind", "ok", f"{progress} warmup steps behind (>= {min_warmup})")
+            )
+    data = info.get("data") or {}
+    if data:
+        if data.get("seed") != seed:
+            plan.findings.append(
+                Finding(
+                    "data-seed",
+                    "warn" if "allow-seed-change" in overrides else "error",
+                    f"data seed {seed} differs from the checkpoint's {data.get('seed')}: the data"
+                    " order shifts and the gradient-accumulation math changes",
+                    f"use seed {data.get('seed')} (wonderland.seed), or pass --allow-seed-change"
+                    " (recorded in the manifest)",
+                    str(source),
+                    "data.seed",
+                )
+            )
+        if data.get("fingerprint") != fingerprint:
+            theirs = info.get("task")
+            plan.findings.append(
+                Finding(
+                    "data-fingerprint",
+                    "warn" if "allow-data-change" in overrides else "error",
+                    f"the training data (task {task!r}, from {config or 'the config'}) differs"
+                    f" from the data the checkpoint was trained on (task {theirs!r})",
+                    "use the same task/dataset (wonderland.task, model and data, or --task), or"
+                    " pass --allow-data-change (recorded)",
+                    str(source),
+                    "data.fingerprint",
+                )
+            )
+        order = data.get("order", "permutation")
+        if order != ORDER:
+            plan.findings.append(
+                Finding(
+                    "data-order",
+                    "warn" if "allow-seed-change" in overrides else "error",
+                    f"the checkpoint's data order was computed as {order!r}, this version's as"
+                    f" {ORDER!r}: the stream would not continue where it stopped",
+                    "resume with the version that saved it, or pass --allow-seed-change (recorded)",
+                    str(source),
+                    "data.order",
+                )
+            )
+    changed = [
+        f"{k} {info.get(k)} -> {v}"
+        for k, v in (
+            ("world_size", world_size),
+            ("zero_stage", zero_stage),
+            ("precision", precision),
+        )
+        if info.get(k) is not None and info.get(k) != v
+    ]
+    if changed:
+        plan.universal = True
+        plan.findings.append(
+            Finding(
+                "topology",
+                "info",
+                f"{', '.join(changed)}: loading through a universal checkpoint (ds_to_universal)",
+            )
+        )
+    saved = info.get("versions") or {}
+    installed = manifest.versions()
+    drift = [
+        f"{k} {saved[k]} -> {installed[k]}"
+        for k in ("torch", "deepspeed")
+        if k in saved and saved[k] != installed.get(k)
+    ]
+    if drift:
+        # DeepSpeed's own checkpoint layout changes between versions; the universal format is
+        # the one it promises to read back, so load through it (converted by the installed
+        # DeepSpeed) instead of hoping the raw shards still fit.
+        plan.universal = True
+        plan.findings.append(
+            Finding(
+                "version-drift",
+                "warn",
+                f"saved with other versions: {', '.join(drift)}: loading through a universal"
+                " checkpoint converted by the installed DeepSpeed",
+                "to convert by hand first: wonderland convert CKPT (universal format)",
+                str(source),
+            )
+        )
+    return plan

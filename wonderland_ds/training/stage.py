@@ -1,0 +1,170 @@
+"""A training stage on this rank: build the engine, restore the plan's checkpoint, fit."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.distributed import log
+from wonderland_ds.core.findings import Finding, Refused, has_errors, render
+from wonderland_ds.run.preflight import Plan
+from wonderland_ds.training import faults
+from wonderland_ds.training.engine import (
+    Progress,
+    StageRun,
+    build,
+    fit,
+    fresh_progress,
+    restore_module_extras,
+    sync_lr,
+)
+
+
+def _verify(run: StageRun) -> bool:
+    """All-reduce verification at stage start: configured, else on for stage 16."""
+    from wonderland_ds.config import stages
+
+    g = run.settings.guards
+    return (
+        stages.get(run.stage).verify_allreduce if g.allreduce_check is None else g.allreduce_check
+    )
+
+
+def _universal_source(plan: Plan, run_dir: Path, stage: int) -> Path:
+    """Rank 0 converts (or reuses a conversion); every rank gets the path or the refusal."""
+    from wonderland_ds.checkpoint.universal import convert
+
+    result: tuple[str | None, list[Finding]] = (None, [])
+    if dist.is_main():
+        assert plan.source is not None
+        try:
+            path, found = convert(plan.source, run_dir / f"stage{stage}" / "universal")
+            result = (str(path), found)
+        except Refused as exc:
+            result = (None, exc.findings)
+    path_s, found = dist.broadcast(result)
+    if path_s is None:
+        raise Refused(found)
+    if dist.is_main():
+        render(found, False)
+    return Path(path_s)
+
+
+def train(
+    args: argparse.Namespace,
+    run_dir: Path,
+    decided: dict[str, Any],
+    plan: Plan,
+    fault: faults.FaultPlan,
+) -> dict[str, Any]:
+    settings = decided["settings"]
+    run = StageRun(
+        stage=args.stage,
+        run_dir=run_dir,
+        task=decided["task"],
+        ds_dict=decided["ds_dict"],
+        cfg=decided["cfg"],
+        settings=settings,
+        seed=decided["seed"],
+        steps=args.steps or settings.steps_for(args.stage),
+        fault=fault,
+        heartbeat=decided.get("heartbeat"),
+    )
+    if plan.source is None:
+        prog, norm = fresh_progress(run)
+        what = "pre-normalization statistics over" if norm is not None else "no normalization,"
+        log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} training samples")
+        engine = build(run, norm)
+        return fit(run, engine, prog, log, _verify(run))
+
+    info = plan.source_info
+    stats = info.get("norm_stats") or {}
+    norm = None
+    if run.task.normalize:
+        if not stats.get("mean"):
+            raise Refused(
+                Finding(
+                    "norm-stats",
+                    "error",
+                    "the checkpoint carries no normalization statistics",
+                    "resume a checkpoint written by a wonderland stage",
+                    str(plan.source),
+                )
+            )
+        norm = (np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32))
+    load_dir, tag = plan.source.parent, plan.source.name
+    if plan.universal:
+        uni = _universal_source(plan, run_dir, args.stage)
+        run.ds_dict = {
+            **run.ds_dict,
+            "checkpoint": {**run.ds_dict.get("checkpoint", {}), "load_universal": True},
+        }
+        load_dir, tag = uni.parent, uni.name
+    engine = build(run, norm)
+    path, _client = engine.load_checkpoint(
+        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:  # DeepSpeed only warns and starts fresh: never allow that silently
+        raise Refused(
+            Finding(
+                "ckpt-load",
+                "error",
+                f"DeepSpeed returned no checkpoint for {load_dir}/{tag}",
+                "check the folder with `wonderland inspect`",
+                str(plan.source),
+            )
+        )
+    found = sync_lr(engine)
+    if plan.universal:
+        found += restore_module_extras(engine, plan.source)
+    if norm is not None:
+        norm_ok = torch.allclose(engine.module.norm.mean.float(), torch.from_numpy(norm[0]))
+        found.append(
+            Finding(
+                "norm-stats",
+                "ok" if norm_ok else "error",
+                "normalization statistics match stage 15's pre-normalization pass"
+                if norm_ok
+                else "normalization statistics differ from the checkpoint's",
+            )
+        )
+    if dist.is_main():
+        render(found, False)
+    if has_errors(found):
+        raise Refused([f for f in found if f.severity == "error"])
+    data = info["data"]
+    step = int(engine.global_steps)
+    if step != info.get("global_step"):
+        raise Refused(
+            f"loaded global step {step}, checkpoint says {info.get('global_step')}",
+            "the checkpoint and its metadata disagree: inspect it",
+        )
+    prog = Progress(
+        samples_consumed=int(data["samples_consumed"]),
+        stage_start_step=int(info.get("stage_start_step", 0)) if plan.continuing else step,
+        norm_mean=list(stats.get("mean") or []),
+        norm_std=list(stats.get("std") or []),
+    )
+    log(
+        f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
+        f" sample {prog.samples_consumed}" + (" (universal)" if plan.universal else "")
+    )
+    if plan.continuing and args.steps is None:
+        # An interrupted stage ends where it was going to end (a `--steps N` given to the first
+        # launch is not needed again): the end step the stage recorded in run.json.
+        from wonderland_ds.run import manifest
+
+        recorded = None
+        if dist.is_main():
+            entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+            recorded = entry.get("end_step")
+        recorded = dist.broadcast(recorded)
+        if isinstance(recorded, int) and recorded > prog.stage_start_step:
+            run.steps = recorded - prog.stage_start_step
+            log(f"stage {args.stage}: continuing to step {recorded} (recorded in run.json)")
+    return fit(run, engine, prog, log, _verify(run))
