@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from wonderland_ds.cli import main as cli
-from wonderland_ds.doctor import doctor
+from wonderland_ds.doctor import checkpoint, environment, hosts, ops, toolchain
 
 REPO = Path(__file__).resolve().parents[1]
 DS_MINOR_OK = {12: ["12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.8", "12.9"]}
@@ -63,8 +63,8 @@ def test_doctor_json_on_this_machine(report):
         assert rule in rules, rule
     (ds,) = by_rule(report["checks"], "doctor-deepspeed")
     assert "deepspeed 0.19" in ds["message"] and "accelerator cpu" in ds["message"]
-    ops = by_rule(report["checks"], "doctor-ds-ops")[0]["message"]
-    assert "deepspeed_shm_comm" in ops
+    op_report = by_rule(report["checks"], "doctor-ds-ops")[0]["message"]
+    assert "deepspeed_shm_comm" in op_report
 
 
 def test_gpu_items_are_not_applicable_here(report):
@@ -86,9 +86,9 @@ def test_bad_hostfile_exits_2(tmp_path, capsys):
 
 
 def test_unreachable_host_is_a_failure_naming_it(tmp_path):
-    hosts = tmp_path / "hosts"
-    hosts.write_text("doctor-unreachable.invalid slots=8\n")
-    found, multi = doctor.check_hosts(str(hosts))
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("doctor-unreachable.invalid slots=8\n")
+    found, multi = hosts.check_hosts(str(hostfile))
     assert multi
     bad = [f for f in found if f.rule == "doctor-ssh" and f.severity == "error"]
     assert len(bad) == 1 and "doctor-unreachable.invalid: not reachable by ssh" in bad[0].message
@@ -96,7 +96,7 @@ def test_unreachable_host_is_a_failure_naming_it(tmp_path):
 
 
 def test_localhost_only_hostfile_needs_no_ssh(repo):
-    found, multi = doctor.check_hosts(str(repo / "hostfiles" / "localhost"))
+    found, multi = hosts.check_hosts(str(repo / "hostfiles" / "localhost"))
     assert not multi
     assert [f.severity for f in found] == ["ok"] and "no ssh needed" in found[0].message
 
@@ -107,7 +107,7 @@ def test_nccl_timeout_and_env_file_problems_are_flagged(tmp_path):
     cwd.mkdir()
     (cwd / ".deepspeed_env").write_text("NCCL_TIMEOUT=1800\n\nTORCH_NCCL_ASYNC_ERROR_HANDLING=1\n")
     env = {"NCCL_TIMEOUT": "1800", "NCCL_ASYNC_ERROR_HANDLING": "0", "DEEPSPEED_TIMEOUT": "600"}
-    found = doctor.check_env(env, True, home, cwd, None)
+    found = environment.check_env(env, True, home, cwd, None)
     rules = {(f.rule, f.severity) for f in found}
     timeouts = [f for f in found if f.rule == "doctor-nccl-timeout"]
     assert len(timeouts) == 2  # in the environment and in .deepspeed_env
@@ -129,7 +129,7 @@ def test_nccl_timeout_in_the_environment_reaches_the_report(tmp_path, monkeypatc
 
 
 def test_bad_deepspeed_timeout_is_a_failure(tmp_path):
-    found = doctor.check_env({"DEEPSPEED_TIMEOUT": "10m"}, False, tmp_path, tmp_path, None)
+    found = environment.check_env({"DEEPSPEED_TIMEOUT": "10m"}, False, tmp_path, tmp_path, None)
     (pg,) = [f for f in found if f.rule == "doctor-pg-timeout"]
     assert pg.severity == "error" and "importing deepspeed fails" in pg.message
 
@@ -146,23 +146,23 @@ def test_bad_deepspeed_timeout_is_a_failure(tmp_path):
 )
 def test_nvcc_against_torchs_cuda(torch_cuda, release, severity):
     nvcc = "/usr/local/cuda/bin/nvcc" if release else None
-    f = doctor.compare_cuda(torch_cuda, nvcc, release, False, DS_MINOR_OK)
+    f = toolchain.compare_cuda(torch_cuda, nvcc, release, False, DS_MINOR_OK)
     assert f.severity == severity, f
     if severity == "error":
         assert "CUDA_HOME=/usr/local/cuda-12.8" in f.fix
-        skipped = doctor.compare_cuda(torch_cuda, nvcc, release, True, DS_MINOR_OK)
+        skipped = toolchain.compare_cuda(torch_cuda, nvcc, release, True, DS_MINOR_OK)
         assert skipped.severity == "warn"
 
 
 def test_stale_build_lock_hangs_starts(tmp_path):
     op = tmp_path / "deepspeed_shm_comm"
     op.mkdir()
-    assert doctor.check_build_dir(op, op.name).severity == "warn"  # not built yet
+    assert ops.check_build_dir(op, op.name).severity == "warn"  # not built yet
     (op / "deepspeed_shm_comm.so").write_bytes(b"")
-    assert doctor.check_build_dir(op, op.name).severity == "ok"
+    assert ops.check_build_dir(op, op.name).severity == "ok"
     (op / "lock").write_text("")
-    assert doctor.check_build_dir(op, op.name).severity == "warn"  # a build in progress
-    f = doctor.check_build_dir(op, op.name, now=time.time() + 3600)
+    assert ops.check_build_dir(op, op.name).severity == "warn"  # a build in progress
+    f = ops.check_build_dir(op, op.name, now=time.time() + 3600)
     assert f.severity == "error" and "rm " in f.fix
 
 
@@ -174,7 +174,7 @@ def test_checkpoint_versions_against_installed(tmp_path, capsys):
         "versions": {"deepspeed": "0.14.2", "torch": "2.13.0", "python": "3.10.12"},
     }
     (tag / "wonderland_meta.json").write_text(json.dumps(meta))
-    found, size = doctor.check_checkpoint(tag)
+    found, size = checkpoint.check_checkpoint(tag)
     assert size > 0
     ds = [f for f in found if f.rule == "doctor-ckpt-versions" and "deepspeed" in f.message]
     assert ds[0].severity == "warn" and "saved with 0.14.2" in ds[0].message
@@ -182,26 +182,26 @@ def test_checkpoint_versions_against_installed(tmp_path, capsys):
     assert "checkpoint does not exist" in capsys.readouterr().out
     empty = tmp_path / "empty"
     empty.mkdir()
-    (f,), _ = doctor.check_checkpoint(empty)
+    (f,), _ = checkpoint.check_checkpoint(empty)
     assert f.severity == "error" and "not a checkpoint folder" in f.message
     (empty / "mp_rank_00_model_states.pt").write_bytes(b"not a torch file")
-    (f,), _ = doctor.check_checkpoint(empty)
+    (f,), _ = checkpoint.check_checkpoint(empty)
     assert f.severity == "error" and "mp_rank_00_model_states.pt" in f.message
 
 
 def test_needed_ops_follow_the_config():
-    assert doctor.needed_ops("cpu") == ["deepspeed_shm_comm"]
+    assert ops.needed_ops("cpu") == ["deepspeed_shm_comm"]
     adam = {"optimizer": {"type": "AdamW", "params": {}}}
-    assert doctor.needed_ops("cuda", adam) == ["fused_adam"]
+    assert ops.needed_ops("cuda", adam) == ["fused_adam"]
     torch_adam = {"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}
-    assert doctor.needed_ops("cpu", torch_adam) == ["deepspeed_shm_comm"]
+    assert ops.needed_ops("cpu", torch_adam) == ["deepspeed_shm_comm"]
     offload = {**adam, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
-    assert doctor.needed_ops("cuda", offload) == ["cpu_adam"]
+    assert ops.needed_ops("cuda", offload) == ["cpu_adam"]
 
 
 def test_disk_against_checkpoint_size(tmp_path):
-    assert doctor.check_disk(tmp_path / "not" / "yet", 1).severity == "ok"
-    assert doctor.check_disk(tmp_path, 1 << 60).severity == "error"
+    assert checkpoint.check_disk(tmp_path / "not" / "yet", 1).severity == "ok"
+    assert checkpoint.check_disk(tmp_path, 1 << 60).severity == "error"
 
 
 def test_prebuild_unknown_op_is_refused(tmp_path, capsys):
@@ -213,7 +213,7 @@ def test_prebuild_unknown_op_is_refused(tmp_path, capsys):
 def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
     from wonderland_ds.training import cpu as comm_threads
 
-    found = doctor.check_time_slices()
+    found = toolchain.check_time_slices()
     assert found.rule == "doctor-time-slices"
     expected = "ok" if comm_threads.slices_supported() is None else "info"
     assert found.severity == expected, found
@@ -227,6 +227,6 @@ def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
 
     if not isinstance(comm_threads._sched(), str):  # else the platform is the reason already
         monkeypatch.setattr(comm_threads._Sched, "get", old_kernel)
-    found = doctor.check_time_slices()
+    found = toolchain.check_time_slices()
     assert found.severity == "info" and "gloo_slice_us does nothing here" in found.message
     assert '"gloo_slice_us": 0' in found.fix

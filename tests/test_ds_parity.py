@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CORPUS, REPO
-from wonderland_ds.config import ds_config, ds_keys
+from wonderland_ds.config import ds_config, ds_keys, ds_models
 
 BASE: dict[str, Any] = {
     "train_micro_batch_size_per_gpu": 4,
@@ -358,7 +358,7 @@ def test_every_top_level_key_deepspeed_reads_is_known(keys_deepspeed_reads: set[
 def test_every_checkpoint_key_deepspeed_reads_is_allowed(keys_deepspeed_reads: set[str]) -> None:
     read = {k.split(".", 1)[1] for k in keys_deepspeed_reads if k.startswith("checkpoint.")}
     assert {"tag_validation", "load_universal"} <= read
-    assert read <= set(ds_config.Checkpoint.model_fields)
+    assert read <= set(ds_models.Checkpoint.model_fields)
 
 
 def test_removed_keys_are_deepspeeds(deepspeed_config) -> None:

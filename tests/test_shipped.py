@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import CORPUS, REPO
 from wonderland_ds.cli import main as cli
 from wonderland_ds.config import ds_config, hostfile
+from wonderland_ds.core.findings import Finding
 
 CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 HOSTFILES = sorted(p for p in (REPO / "hostfiles").iterdir() if p.is_file())
@@ -93,7 +94,7 @@ def test_shipped_config_triangle_closes(config: Path, host: str) -> None:
 def test_gpu_configs_fix_their_world_size(config: Path) -> None:
     """The A100 configs set all three batch sizes: any other world size is refused."""
     assert ds_config.check_file(config, None) == [
-        ds_config.Finding(
+        Finding(
             "batch-triangle",
             "info",
             f"batch sizes imply a data-parallel size of {64 if '8x8' in config.name else 8}",

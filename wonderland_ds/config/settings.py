@@ -2,7 +2,8 @@
 
 A wonderland config is a DeepSpeed JSON config with one extra top-level object,
 ``"wonderland"``. It is validated here (unknown keys refused) and stripped before the rest is
-handed to ``deepspeed.initialize``. Every field is documented in the README.
+handed to ``deepspeed.initialize``. Each field's docstring is its description, from which
+docs/configuration.md is generated (``python -m wonderland_ds.config.reference``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Each field's docstring is its description: docs/configuration.md is generated from them.
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True
+    )
 
 
 class EvalGate(_Strict):
@@ -32,13 +36,14 @@ Policy = Literal["warn", "stop", "rollback"]
 
 
 class Guards(_Strict):
-    """Health guards while a stage trains (issue: silent gradient drops, slow nodes, spikes).
+    """Health guards while a stage trains: silent gradient drops, slow ranks, loss spikes.
 
     Policies: ``warn`` (log and go on), ``stop`` (exit 3 with a report; the last complete
     checkpoint stays the newest), ``rollback`` (reload the last complete checkpoint and skip the
     offending batches, at most ``max_rollbacks`` times, then stop)."""
 
     enabled: bool = True
+    """Run the health guards (false: none of the checks below)."""
     check_interval: int = Field(10, ge=1)
     """Steps between checks: the numbers of every step since the last check travel in one
     all-reduce, then each step is judged in order (events keep their own step). A save and the
@@ -56,6 +61,7 @@ class Guards(_Strict):
     slow_min_ms: float = Field(1.0, ge=0.0)
     """...and at least this many milliseconds slower (sub-millisecond timings are noise)."""
     slow_policy: Literal["warn", "stop"] = "warn"
+    """What a slow rank triggers."""
     comm_probe_interval: int | None = Field(None, ge=0)
     """Re-run the per-rank transfer probe (4 MB, min of 3; both ways round the ring with 3+
     ranks) every N steps while training (0: never). None (default): adaptive, so that probing
@@ -72,11 +78,14 @@ class Guards(_Strict):
     """Steps in a row a rank must stay below grad_drop_ratio before it is reported (a zero or
     non-finite norm is reported at once)."""
     grad_drop_policy: Policy = "stop"
+    """What a rank that dropped its gradients triggers."""
     fingerprint_interval: int = Field(50, ge=0)
     """Compare a parameter fingerprint across data-parallel replicas every N steps (0: never;
     ZeRO-3 holds no replicas)."""
     divergence_policy: Policy = "stop"
+    """What replicas whose parameter fingerprints differ trigger."""
     nan_policy: Policy = "stop"
+    """What a non-finite loss triggers."""
     spike_factor: float = Field(3.0, gt=1.0)
     """A loss above this multiple of the rolling median is a spike (the field notes saw 4x)."""
     spike_mad: float = Field(6.0, ge=0.0)
@@ -86,17 +95,23 @@ class Guards(_Strict):
     """...and at least this far above it in absolute loss units (a converged loss of 0.0002
     that jumps to 0.002 is noise, not a spike). Tune to your loss's scale."""
     spike_window: int = Field(50, ge=5)
+    """Steps of loss history the rolling median and MAD are taken over."""
     spike_warmup: int = Field(20, ge=1)
     """Steps of history needed before spikes are judged."""
     spike_policy: Policy = "warn"
+    """What a loss spike triggers."""
     plateau_window: int = Field(0, ge=0)
     """Flag a loss flat within plateau_tolerance over this many steps while the LR does not
     decrease (0: off; it false-alarms on converged runs)."""
     plateau_tolerance: float = Field(0.01, gt=0.0)
+    """The loss is flat when the mean of the last ``plateau_window`` steps is within this
+    fraction of the mean of the window before."""
     plateau_policy: Literal["warn", "stop"] = "warn"
+    """What a plateau triggers."""
     loss_scale_stuck_steps: int = Field(50, ge=1)
     """fp16: the loss scale at its minimum this many steps in a row is an error (stop)."""
     max_rollbacks: int = Field(2, ge=0)
+    """Rollbacks a stage may make; the next ``rollback`` stops it instead."""
 
 
 class HFModel(_Strict):
@@ -162,14 +177,23 @@ class WonderlandSettings(_Strict):
     update waits for that copy only (costs one host copy of this rank's state, kept between
     saves). false: the writer serializes them straight from the live tensors, no extra
     memory, and the update waits until they are serialized."""
-    loop_nice: int = Field(10, ge=0, le=19)
-    """The step loop's thread runs this much nicer (Linux nice value) while a stage trains, so
-    the threads that complete a collective (gloo's, NCCL's proxy) get its core as soon as they
-    wake; 0: unchanged."""
-    gloo_slice_us: int = Field(100, ge=0, le=100_000)
-    """gloo's threads run with a Linux time slice of this many microseconds while a stage
-    trains (Linux 6.12+), so they preempt the computing step loop as soon as they wake; 0:
-    unchanged. Linux takes 100-100000."""
+    loop_nice: int = Field(0, ge=0, le=19)
+    """CPU-only tuning, off by default: the step loop's thread runs this much nicer (Linux nice
+    value) while a stage trains, so the threads that complete a gloo collective get its core
+    as soon as they wake. Only for CPU-bound toy steps of a few ms; on a GPU node the loop
+    thread is the one launching kernels. 0: unchanged."""
+    gloo_slice_us: int = Field(0, ge=0, le=100_000)
+    """CPU-only tuning, off by default: gloo's threads run with a Linux time slice of this many
+    microseconds while a stage trains (Linux 6.12+), so they preempt the computing step loop
+    as soon as they wake. 0: unchanged. Linux takes 100-100000."""
+    gil_switch_us: int = Field(0, ge=0, le=100_000)
+    """CPU-only tuning, off by default: Python's GIL switch interval, in microseconds, at most
+    this while a stage trains, so the loop waits less for background threads (metrics and
+    checkpoint writers) that hold the GIL in bursts. 0: Python's own (5000)."""
+    tensorboard_fast_crc: bool = False
+    """CPU-only tuning, off by default: TensorBoard's event writer computes its record
+    checksums with ``google_crc32c``'s C code instead of its pure-Python loop (same bytes;
+    applied only where the C code agrees with TensorBoard's on test vectors)."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)
@@ -184,7 +208,9 @@ class WonderlandSettings(_Strict):
     log_interval: int = Field(50, ge=1)
     """Print a progress line every this many steps on rank 0."""
     eval: EvalGate = Field(default_factory=EvalGate)
+    """Stage 17's gate."""
     guards: Guards = Field(default_factory=Guards)
+    """The health guards while a stage trains."""
 
     @field_validator("gloo_slice_us")
     @classmethod
