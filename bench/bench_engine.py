@@ -45,17 +45,16 @@ from disk import write_speed  # noqa: E402
 from wonderland_ds.checkpoint import async_save as async_ckpt
 from wonderland_ds.config.settings import Guards, WonderlandSettings  # noqa: E402
 from wonderland_ds.core import distributed as dist  # noqa: E402
-from wonderland_ds.data import cache, tasks  # noqa: E402
-from wonderland_ds.training.cpu import short_gloo_slices  # noqa: E402
-from wonderland_ds.training.engine import (
-    Progress,
-    StageRun,
-    build,
-    fit,
+from wonderland_ds.data import builtin, cache  # noqa: E402
+from wonderland_ds.training.build import build  # noqa: E402
+from wonderland_ds.training.cpu import (  # noqa: E402
     nicer_thread,
-    save,
     short_gil_waits,
+    short_gloo_slices,
 )
+from wonderland_ds.training.saving import Saver  # noqa: E402
+from wonderland_ds.training.state import Progress, StageRun  # noqa: E402
+from wonderland_ds.training.trainer import fit  # noqa: E402
 
 
 def ds_config(zero: int, micro: int, gas: int, world: int) -> dict:
@@ -223,10 +222,10 @@ def with_constant(module, name: str, value, run):
 
 
 def gil_5ms(run):
-    """``run()`` with engine.fit's GIL switch interval at Python's default, 5 ms."""
-    from wonderland_ds.training import engine
-
-    return with_constant(engine, "SWITCH_INTERVAL_S", 0.005, run)
+    """``run()`` with the GIL switch interval at Python's default, 5 ms (also the trainer's
+    default now: ``wonderland.gil_switch_us`` is off unless a config sets it)."""
+    with short_gil_waits(0.005):
+        return run()
 
 
 def one_step_reads(run):
@@ -344,7 +343,9 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
             settled = not any(dist.gather_all(writer.busy))
             dist.barrier()
             t0 = time.perf_counter()
-            _, blocked = save(run, engine, prog, None, writer, settled)
+            saver = Saver(run, engine)
+            saver.writer = writer
+            _, blocked = saver.save(prog, None, settled)
             # Training goes on while the writer reads the held tensors; the fence before the
             # optimizer update is the rest of the blocked time (engine.fit does the same).
             t1 = time.perf_counter()
@@ -403,7 +404,9 @@ def main() -> None:
         os.sched_setaffinity(0, {local % (os.cpu_count() or 1)})
     dist.init(600)
     world = dist.world_size()
-    raw_task = tasks.pylm(args.dim, args.layers) if args.task == "pylm" else tasks.load(args.task)
+    raw_task = (
+        builtin.pylm(args.dim, args.layers) if args.task == "pylm" else builtin.load(args.task)
+    )
     folder = Path(tempfile.mkdtemp(prefix="wl-bench-")) if dist.is_main() else None
     folder = dist.broadcast(folder)
     if dist.is_main():
@@ -535,7 +538,7 @@ def main() -> None:
         # stage trains with (engine.fit sets all three; DeepSpeed's side too): the writer
         # thread, started inside, inherits the loop's nice value, and it and the fence share
         # the GIL as they do in a stage.
-        with short_gil_waits():
+        with short_gil_waits(0.0005):
             result["save"] = stage_sched(lambda: save_bench(task, config, args.save, folder))
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,11 +1,11 @@
-"""Costs of two pieces of the step loop, measured apart in one process (BENCHMARKS.md section 2).
+"""Costs of two pieces of the step loop, measured apart in one process.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out R.json
 
 1. Metrics: one step's events (the 14 tags engine.fit writes on a 2-rank digits run) through
    DeepSpeed's own ``MonitorMaster.write_events``, event by event, against
    ``monitor.write_batch`` (batched), with TensorBoard's pure-Python record checksum and with
-   the C one (``monitor.fast_tensorboard_crc``), and with the CSV files opened once per batch
+   the C one (``cpu.fast_tensorboard_crc``), and with the CSV files opened once per batch
    instead of kept open (``write_batch_reopen_ms``), all into a CSV and a TensorBoard writer; CPU
    time per step of the process (TensorBoard's writer thread included), written every 10 steps
    as the sink does.
@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from wonderland_ds.training import cpu  # noqa: E402
 from wonderland_ds.training import metrics as monitor  # noqa: E402
+from wonderland_ds.training.rows import StepRow  # noqa: E402
 
 
 def _master(folder: Path):
@@ -61,7 +63,7 @@ def _events(steps: int, start: int) -> list[list[tuple[str, float, int]]]:
         extra = monitor.guard_figures([0.5, 0.4], loss_median=1.5, skipped_steps=0, events=0)
         if (s - start - 1) % 10 == 0:
             batches.append([])
-        batches[-1] += sink.events(row, extra=extra)
+        batches[-1] += sink.events(StepRow.parse(row), extra=extra)
     return batches
 
 
@@ -69,7 +71,7 @@ def metrics(steps: int, reps: int) -> dict:
     from tensorboard.summary.writer import record_writer
 
     stock_crc = record_writer.masked_crc32c
-    if not monitor.fast_tensorboard_crc():
+    if not cpu.fast_tensorboard_crc():
         raise SystemExit("google_crc32c's C implementation is not available")
     fast_crc = record_writer.masked_crc32c
     # The checksum alone on one step's TensorBoard event (timeit, best of 7).
@@ -124,7 +126,7 @@ def hooks(steps: int, reps: int) -> dict:
     x, y = torch.randn(16, 64).bfloat16(), torch.randint(0, 10, (16,))
     norms: list[torch.Tensor] = []
 
-    def hook_fp32(grad: torch.Tensor) -> torch.Tensor:  # the guards' hook up to session 6
+    def hook_fp32(grad: torch.Tensor) -> torch.Tensor:  # the guards' earlier fp32 hook
         norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
         return grad
 

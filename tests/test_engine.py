@@ -172,6 +172,9 @@ def test_topology_change_through_universal_checkpoint(
     assert after < 1.5 * before, (before, after)
 
 
+# Stages 15 -> 18 run by default in the causal-LM example's test and 15 -> 17 in stage 17's
+# fixture; this digits bf16 run through the export is the nightly set's.
+@pytest.mark.nightly
 def test_pipeline_15_to_18_bf16(tmp_path):
     run = tmp_path / "run"
     result = wonderland(

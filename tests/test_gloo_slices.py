@@ -1,5 +1,6 @@
-"""wonderland.gloo_slice_us: gloo's threads run with a short Linux time slice while a stage
-trains (engine.fit), so they preempt the computing step loop as soon as they wake.
+"""wonderland.gloo_slice_us (CPU-only tuning, off by default): switched on, gloo's threads run
+with a short Linux time slice while a stage trains (cpu.tuned around trainer.fit), so they
+preempt the computing step loop as soon as they wake.
 
 The threads here are stand-ins named as gloo names its own (``pthread_setname_np``); one test
 starts a real gloo process group in a child process and checks those names are what torch's
@@ -19,7 +20,7 @@ import pytest
 
 from wonderland_ds.config.settings import WonderlandSettings
 from wonderland_ds.training import cpu as comm_threads
-from wonderland_ds.training import engine
+from wonderland_ds.training import trainer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,18 +182,24 @@ def test_fit_trains_with_short_gloo_slices_and_notes_when_it_could_not(named, mo
     before = slice_of(tcp.tid)
     seen: list[int] = []
 
-    def fake_fit(run, engine_, prog, log, verify=False):
-        seen.append(slice_of(tcp.tid))
-        return {"ok": True}
+    class FakeTrainer:
+        def __init__(self, run, engine_, prog, report, verify=False):
+            pass
 
-    monkeypatch.setattr(engine, "_fit", fake_fit)
+        def train(self):
+            seen.append(slice_of(tcp.tid))
+            return {"ok": True}
+
+    monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
 
     def fit(**settings):
-        run = types.SimpleNamespace(settings=WonderlandSettings(loop_nice=0, **settings))
-        assert engine.fit(run, None, None, None) == {"ok": True}
+        run = types.SimpleNamespace(settings=WonderlandSettings(**settings))
+        assert trainer.fit(run, None, None, None) == {"ok": True}
 
-    fit()  # the default
-    assert seen == [100_000] and slice_of(tcp.tid) == before
+    fit()  # the default: off
+    assert seen == [before]
+    fit(gloo_slice_us=100)
+    assert seen[-1] == 100_000 and slice_of(tcp.tid) == before
     fit(gloo_slice_us=0)
     assert seen[-1] == before
     assert "gloo_slice_us" not in capsys.readouterr().err

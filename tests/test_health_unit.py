@@ -101,9 +101,11 @@ def _probe_schedule(
     arrives in the next step's row. The stage starts after global step ``first``; ``hint``:
     the start check's probe time."""
     from wonderland_ds.training.guards import StepGuards
+    from wonderland_ds.training.layout import VectorLayout
 
     sg = StepGuards.__new__(StepGuards)
     sg.g, sg.world, sg.step_ema, sg.probe_intervals = g, world, None, []
+    sg.layout = VectorLayout(world)
     sg.probe_hint_s = hint
     sg.start(first)
     due: list[int] = []
@@ -176,6 +178,7 @@ def test_rollback_forgets_the_losses_after_its_step_even_past_a_nan():
 
 def _judge_guards(stage_dir=None, world: int = 2):
     from wonderland_ds.training.guards import StepGuards
+    from wonderland_ds.training.layout import VectorLayout
 
     sg = StepGuards.__new__(StepGuards)
     sg.g = Guards(fingerprint_interval=5, comm_probe_interval=0)
@@ -184,6 +187,7 @@ def _judge_guards(stage_dir=None, world: int = 2):
     sg.watchdog, sg.events, sg.norms, sg.param_sums = health.LossWatchdog(sg.g), [], [], {}
     sg.low_streak, sg.slow_streak, sg.probe_s, sg.t_begin = {}, {}, 0.0, 0.0
     sg.stage_dir, sg.step = stage_dir, 1
+    sg.layout = VectorLayout(world)
     return sg
 
 
@@ -211,7 +215,7 @@ def test_divergence_is_judged_from_the_step_it_was_seen_at(tmp_path):
 def test_fp16_loss_scale_is_read_from_either_optimizer_kind():
     from types import SimpleNamespace
 
-    from wonderland_ds.training.engine import loss_scale
+    from wonderland_ds.training.state import loss_scale
 
     zero = SimpleNamespace(optimizer=SimpleNamespace(cur_scale=512.0))
     plain = SimpleNamespace(

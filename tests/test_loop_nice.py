@@ -1,5 +1,6 @@
-"""wonderland.loop_nice: the step loop's thread runs nicer while a stage trains (engine.fit),
-so the threads that complete a collective get its core as soon as they wake.
+"""wonderland.loop_nice (CPU-only tuning, off by default): switched on, the step loop's thread
+runs nicer while a stage trains (cpu.tuned around trainer.fit), so the threads that complete a
+collective get its core as soon as they wake.
 
 Each test runs in a thread of its own: a nice value that could not be lowered back would
 otherwise stay on pytest's main thread."""
@@ -14,7 +15,7 @@ import types
 import pytest
 
 from wonderland_ds.config.settings import WonderlandSettings
-from wonderland_ds.training import engine
+from wonderland_ds.training import cpu, trainer
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread nice values are Linux only"
@@ -59,7 +60,7 @@ def test_only_the_calling_thread_and_what_it_starts_get_nicer_and_it_is_restored
         peer.start()
         ready.wait()
         inside: dict = {}
-        with engine.nicer_thread(10) as why_not:
+        with cpu.nicer_thread(10) as why_not:
             inside["why_not"] = why_not
             inside["own"] = nice_of()
             inside["bystander"] = nice_of(other_tid[0])
@@ -84,11 +85,11 @@ def test_restored_after_a_failure_and_clamped_at_19():
     def body():
         start = nice_of()
         with pytest.raises(RuntimeError):
-            with engine.nicer_thread(5):
+            with cpu.nicer_thread(5):
                 assert nice_of() == start + 5
                 raise RuntimeError("a rank died")
         restored = nice_of()
-        with engine.nicer_thread(100):
+        with cpu.nicer_thread(100):
             clamped = nice_of()
         return start, restored, clamped
 
@@ -101,7 +102,7 @@ def test_zero_changes_nothing(monkeypatch):
     monkeypatch.setattr(os, "setpriority", lambda *a: calls.append(a))
 
     def body():
-        with engine.nicer_thread(0) as why_not:
+        with cpu.nicer_thread(0) as why_not:
             return why_not
 
     assert in_thread(body) is None and calls == []
@@ -115,7 +116,7 @@ def test_a_refused_setpriority_is_reported_and_changes_nothing(monkeypatch):
 
     def body():
         start = nice_of()
-        with engine.nicer_thread(10) as why_not:
+        with cpu.nicer_thread(10) as why_not:
             return start, why_not, nice_of()
 
     start, why_not, inside = in_thread(body)
@@ -139,7 +140,7 @@ def test_a_refused_restore_leaves_the_thread_nicer_without_an_error(monkeypatch)
 
     def body():
         start = nice_of()
-        with engine.nicer_thread(3):
+        with cpu.nicer_thread(3):
             pass
         return start, nice_of()
 
@@ -147,19 +148,27 @@ def test_a_refused_restore_leaves_the_thread_nicer_without_an_error(monkeypatch)
     assert calls == [start + 3, start] and after == start + 3
 
 
+def test_off_by_default():
+    assert WonderlandSettings().loop_nice == 0
+
+
 def test_fit_trains_in_the_nicer_thread_and_notes_when_it_could_not(monkeypatch, capsys):
     seen: list[int] = []
 
-    def fake_fit(run, engine_, prog, log, verify=False):
-        seen.append(nice_of())
-        return {"ok": True}
+    class FakeTrainer:
+        def __init__(self, run, engine_, prog, report, verify=False):
+            pass
 
-    monkeypatch.setattr(engine, "_fit", fake_fit)
+        def train(self):
+            seen.append(nice_of())
+            return {"ok": True}
+
+    monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
 
     def body(nice: int):
         run = types.SimpleNamespace(settings=WonderlandSettings(loop_nice=nice))
         start = nice_of()
-        assert engine.fit(run, None, None, None) == {"ok": True}
+        assert trainer.fit(run, None, None, None) == {"ok": True}
         return start, nice_of()
 
     start, after = in_thread(lambda: body(7))

@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
+from wonderland_ds.training import cpu
 from wonderland_ds.training import metrics as monitor
 from wonderland_ds.training.progress import ProgressDisplay, hms, rate
+from wonderland_ds.training.rows import StepRow
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def rows(n: int, start: int = 0, per_step: int = 64, dt: float = 0.02, wait: float = 0.001):
-    """engine.fit-shaped rows (strings, as fit formats them): a step every ``dt`` seconds."""
+    """The trainer's rows (parsed from metrics.csv-shaped strings): a step every ``dt`` s."""
     out = []
     for i in range(1, n + 1):
         s = start + i
@@ -39,7 +41,7 @@ def rows(n: int, start: int = 0, per_step: int = 64, dt: float = 0.02, wait: flo
                 "wall": f"{1000.0 + dt * s:.3f}",
             }
         )
-    return out
+    return [StepRow.parse(r) for r in out]
 
 
 def test_hms_and_rate():
@@ -55,7 +57,7 @@ def test_plain_lines_every_n_steps_with_their_fields():
     out = io.StringIO()  # not a terminal: line mode
     p = ProgressDisplay(15, 100, 0, 64, every=25, stream=out, rank=0)
     for r in rows(100):
-        p.step(r, loss_scale=1024.0 if r["step"] == 100 else None)
+        p.step(r, loss_scale=1024.0 if r.step == 100 else None)
     p.close()
     p.close()  # once only
     lines = out.getvalue().splitlines()
@@ -160,8 +162,8 @@ def _ds_master(folder: Path, monkeypatch):
 
 
 def test_tensorboard_records_checksummed_in_c_are_byte_identical(monkeypatch):
-    """fast_tensorboard_crc swaps TensorBoard's pure-Python record checksum for google_crc32c's
-    C one: the framed records (length, its CRC, payload, its CRC) must be the same bytes."""
+    """cpu.fast_tensorboard_crc (wonderland.tensorboard_fast_crc) swaps TensorBoard's
+    pure-Python record checksum for google_crc32c's C one: the framed records (length, its CRC, payload, its CRC) must be the same bytes."""
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
@@ -169,9 +171,9 @@ def test_tensorboard_records_checksummed_in_c_are_byte_identical(monkeypatch):
 
     stock = pywrap_tensorflow.masked_crc32c
     monkeypatch.setattr(record_writer, "masked_crc32c", stock)  # restored after the test
-    assert monitor.fast_tensorboard_crc()
+    assert cpu.fast_tensorboard_crc()
     fast = record_writer.masked_crc32c
-    assert fast is not stock and monitor.fast_tensorboard_crc()  # idempotent
+    assert fast is not stock and cpu.fast_tensorboard_crc()  # idempotent
     event = Event(
         summary=Summary(
             value=[Summary.Value(tag=f"Guards/t{i}", simple_value=i / 3) for i in range(14)]
@@ -201,8 +203,23 @@ def test_no_c_checksum_leaves_tensorboard_as_it_is(monkeypatch):
 
     monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
     monkeypatch.setattr(google_crc32c, "implementation", "python")
-    assert not monitor.fast_tensorboard_crc()
+    assert not cpu.fast_tensorboard_crc()
     assert record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c
+
+
+def test_the_c_checksum_only_when_switched_on_and_put_back_after(monkeypatch):
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+    from tensorboard.summary.writer import record_writer
+
+    from wonderland_ds.config.settings import WonderlandSettings
+
+    stock = pywrap_tensorflow.masked_crc32c
+    monkeypatch.setattr(record_writer, "masked_crc32c", stock)
+    with cpu.tuned(WonderlandSettings()):  # the default: TensorBoard's own
+        assert record_writer.masked_crc32c is stock
+    with cpu.tuned(WonderlandSettings(tensorboard_fast_crc=True)):
+        assert record_writer.masked_crc32c is not stock
+    assert record_writer.masked_crc32c is stock
 
 
 def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch):
@@ -218,9 +235,9 @@ def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch)
     sink = monitor.MetricsSink({}, tmp_path / "unused", rank=1)  # only for .events()
     batches: list[list[tuple[str, float, int]]] = [[], []]
     for r in rows(12):
-        extra = monitor.guard_figures([0.5, 0.25 * (r["step"] % 3)], loss_median=1.5)
-        extra["Odd tag/with space"] = r["step"] / 7  # DeepSpeed turns spaces into _ too
-        batches[r["step"] > 5] += sink.events(r, loss_scale=2.0 ** r["step"], extra=extra)
+        extra = monitor.guard_figures([0.5, 0.25 * (r.step % 3)], loss_median=1.5)
+        extra["Odd tag/with space"] = r.step / 7  # DeepSpeed turns spaces into _ too
+        batches[r.step > 5] += sink.events(r, loss_scale=2.0**r.step, extra=extra)
     for batch in batches:  # two batches: the header is written once, rows append
         theirs.write_events(batch)
         monitor.write_batch(ours, batch)
@@ -322,6 +339,7 @@ RANK_SCRIPT = textwrap.dedent(
     from wonderland_ds.core import distributed as dist
     from wonderland_ds.training.metrics import MetricsSink, guard_figures
     from wonderland_ds.training.progress import ProgressDisplay
+    from wonderland_ds.training.rows import StepRow
 
     out = Path(sys.argv[1])
     dist.init(60)
@@ -374,8 +392,8 @@ RANK_SCRIPT = textwrap.dedent(
             "wall": f"{time.time():.3f}",
         }
         written.append({**row, "norms": norms})
-        progress.step(row)
-        sink.write(row, extra=guard_figures(norms, skipped_steps=int(engine.skipped_steps)))
+        progress.step(StepRow.parse(row))
+        sink.write(StepRow.parse(row), extra=guard_figures(norms, skipped_steps=int(engine.skipped_steps)))
         if step == 6:
             t1 = time.perf_counter()
             engine.save_checkpoint(str(out / "ckpt"), tag="global_step6")
@@ -386,7 +404,7 @@ RANK_SCRIPT = textwrap.dedent(
         # A resume from the step-6 checkpoint: rows past it go, new ones follow.
         again = MetricsSink(cfg, stage_dir, keep_upto=6, samples_per_step=batch)
         for s in (7, 8, 9):
-            again.write({"step": s, "loss": str(10.0 + s), "lr": "0.001"})
+            again.write(StepRow(s, loss=10.0 + s, lr=0.001))
         again.close()
         (out / "rows.json").write_text(json.dumps(written))
     dist.barrier()

@@ -1,21 +1,26 @@
-"""gloo's threads get a short Linux time slice while a stage trains (``wonderland.gloo_slice_us``).
+"""CPU-only scheduling tuning while a stage trains, all off by default.
 
-Why: a gloo collective completes on gloo's own threads (``pt_gloo_runloop``, the process
-group's work threads, and ``gloo_tcp_loop``, its socket loop). Each wakes for a few
+Four knobs of the ``wonderland`` settings, each 0/false unless a config sets it, applied
+together by :func:`tuned` around the step loop:
+
+* ``loop_nice``: the loop's thread runs nicer (:func:`nicer_thread`);
+* ``gloo_slice_us``: gloo's threads get a short Linux time slice (:func:`short_gloo_slices`);
+* ``gil_switch_us``: a shorter GIL switch interval (:func:`short_gil_waits`);
+* ``tensorboard_fast_crc``: TensorBoard's record checksums in C (:func:`fast_tensorboard_crc`).
+
+They help only where the step is a few milliseconds of CPU work that shares its cores with
+gloo's threads and the background writers; on a GPU node the loop thread is the one launching
+kernels, and a step of a hundred milliseconds or more hides what they save.
+
+Time slices: a gloo collective completes on gloo's own threads (``pt_gloo_runloop``, the
+process group's work threads, and ``gloo_tcp_loop``, its socket loop). Each wakes for a few
 microseconds of work while the step loop computes on the same core, and Linux's scheduler
-(EEVDF) lets the running thread go on to the end of its time slice first: 0.7 ms times
-1 + log2(cores) by default, 1.4 ms on 2 cores. A small collective so waits out most of the
-loop's slice at each hop, and every rank waits for it at the next collective. Since Linux 6.12
-a thread's slice can be set (``sched_setattr``'s ``sched_runtime`` under SCHED_OTHER), and a
-thread waking with a shorter slice than the running one preempts it at once. Measured on
-digits (2 ranks, 2 cores, 20 repetitions side by side, BENCHMARKS.md section 2): the stage's
-step 0.96 / 0.95 / 0.91 of a plain DeepSpeed loop's on ZeRO-1/2/3 with gloo's threads at
-0.1 ms, 1.03 / 1.01 / 0.96 without.
-
-Only gloo's threads that exist when the block starts change (found by their names in
-``/proc/self/task``), and they are back at their slice when it ends. No privilege is needed,
-for another thread of one's own process as for oneself. NCCL's threads carry no name unless
-``NCCL_SET_THREAD_NAME=1`` and are left alone.
+(EEVDF) lets the running thread go on to the end of its time slice first. Since Linux 6.12 a
+thread's slice can be set (``sched_setattr``'s ``sched_runtime`` under SCHED_OTHER), and a
+thread waking with a shorter slice than the running one preempts it at once. Only gloo's
+threads that exist when the block starts change (found by their names in
+``/proc/self/task``), and they are back at their slice when it ends; no privilege is needed.
+NCCL's threads carry no name unless ``NCCL_SET_THREAD_NAME=1`` and are left alone.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ import errno
 import os
 import platform
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.core import distributed as dist
 
 # Names that gloo and PyTorch's gloo process group give their threads (pthread_setname_np).
 GLOO_THREAD_PREFIXES = ("gloo_", "pt_gloo")
@@ -99,8 +108,6 @@ def slices_supported() -> str | None:
     sched = _sched()
     if isinstance(sched, str):
         return sched
-    import threading
-
     try:
         attr = sched.get(threading.get_native_id())
     except OSError as exc:
@@ -158,3 +165,132 @@ def _restore(sched: _Sched, changed: list[tuple[int, _SchedAttr]]) -> None:
             sched.set(tid, current)
         except OSError:
             pass  # the thread ended (its group was destroyed): nothing to put back
+
+
+@contextlib.contextmanager
+def short_gil_waits(interval_s: float) -> Iterator[None]:
+    """Python's GIL switch interval at most ``interval_s`` inside the block, then as it was
+    (a smaller interval the caller set is kept; 0 or less changes nothing).
+
+    Why: the step loop shares its process with threads that hold the GIL in bursts (rank 0's
+    metrics writer, the checkpoint writer serializing a save). When the loop returns from a
+    call that released the GIL (a collective, the backward) while such a thread holds it, it
+    waits up to the switch interval for it, and every rank then waits for it at the next
+    collective."""
+    before = sys.getswitchinterval()
+    if interval_s > 0:
+        sys.setswitchinterval(min(before, interval_s))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+@contextlib.contextmanager
+def nicer_thread(increment: int) -> Iterator[str | None]:
+    """The calling thread's nice value raised by ``increment`` (at most 19) inside the block,
+    then as it was where the system lets it back; yields None, or why nothing changed.
+
+    Why: the step loop is one thread per rank doing compute, and a collective completes on
+    other threads (gloo's work and TCP threads, the rendezvous store). When such a thread wakes
+    while the loop computes on its core, Linux lets it run only once the loop's slice is used
+    up, and every rank waits at the next collective for it. A nicer loop thread lets them in
+    sooner.
+
+    Only this thread changes: Linux keeps a nice value per thread (setpriority(2) with a
+    thread id), and threads it starts inside the block inherit it (the metrics and checkpoint
+    writers: background work). Raising a nice value needs no privilege; lowering it back needs
+    CAP_SYS_NICE or a RLIMIT_NICE allowance, without which the thread stays nicer."""
+    if increment <= 0:
+        yield None
+        return
+    if not sys.platform.startswith("linux"):
+        yield "per-thread nice values are Linux only"
+        return
+    tid = threading.get_native_id()
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, before + increment))
+    except OSError as exc:
+        yield f"setpriority refused: {exc}"
+        return
+    try:
+        yield None
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, before)
+        except OSError:
+            pass  # no CAP_SYS_NICE / RLIMIT_NICE: the thread stays nicer (see above)
+
+
+def fast_tensorboard_crc() -> bool:
+    """Give TensorBoard's event writer a C CRC32C. Every TFRecord it writes carries two masked
+    CRC32C sums that TensorBoard computes in pure Python (a byte-at-a-time table loop). The
+    replacement is installed into TensorBoard's record writer only when ``google_crc32c`` has
+    its C implementation and agrees with TensorBoard's own function on test vectors; otherwise
+    nothing changes (same bytes, slower). Returns whether the C checksum is in use; idempotent,
+    and :func:`stock_tensorboard_crc` puts TensorBoard's own back."""
+    try:
+        import google_crc32c
+        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return False
+    if getattr(record_writer.masked_crc32c, "_wonderland", False):
+        return True
+    if google_crc32c.implementation != "c":
+        return False
+    value = google_crc32c.value
+
+    def masked_crc32c(data: bytes) -> int:
+        x = value(data)
+        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    vectors = [b"", b"a", bytes(range(256)) * 3, b"\x00" * 8, b"wonderland" * 41]
+    if any(masked_crc32c(v) != pywrap_tensorflow.masked_crc32c(v) for v in vectors):
+        return False
+    masked_crc32c._wonderland = True  # type: ignore[attr-defined]
+    record_writer.masked_crc32c = masked_crc32c
+    return True
+
+
+def stock_tensorboard_crc() -> None:
+    """TensorBoard's own record checksum back, where :func:`fast_tensorboard_crc` replaced it."""
+    try:
+        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return
+    if getattr(record_writer.masked_crc32c, "_wonderland", False):
+        record_writer.masked_crc32c = pywrap_tensorflow.masked_crc32c
+
+
+@contextlib.contextmanager
+def tuned(settings: WonderlandSettings) -> Iterator[None]:
+    """The CPU-only tuning ``settings`` switch on, for the block (all off by default). A
+    knob this host cannot apply is said once on rank 0, and the stage trains without it."""
+    with (
+        short_gil_waits(settings.gil_switch_us / 1e6),
+        nicer_thread(settings.loop_nice) as why_not,
+        short_gloo_slices(settings.gloo_slice_us) as why_not_gloo,
+    ):
+        if why_not is not None and dist.is_main():
+            print(
+                f"[wonderland] loop_nice {settings.loop_nice} not applied ({why_not}):"
+                " the step loop runs at its usual priority",
+                file=sys.stderr,
+                flush=True,
+            )
+        if why_not_gloo is not None and dist.is_main():
+            print(
+                f"[wonderland] gloo_slice_us {settings.gloo_slice_us} not applied"
+                f" ({why_not_gloo}): gloo's threads keep their time slice",
+                file=sys.stderr,
+                flush=True,
+            )
+        crc = settings.tensorboard_fast_crc and fast_tensorboard_crc()
+        try:
+            yield
+        finally:
+            if crc:
+                stock_tensorboard_crc()

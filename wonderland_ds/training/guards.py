@@ -1,8 +1,9 @@
 """The guards while a stage trains: hooks, one all-reduce every few steps, policies.
 
-Per step every rank writes into one small float64 vector: the loss sum, the sample digest, its
-own local gradient norm (measured by a tensor hook *before* DeepSpeed's reduction, FACTS.md) and,
-every ``fingerprint_interval`` steps, a checksum of its parameters. Every ``check_interval``
+Per step every rank writes into one small float64 vector (its slots: ``layout.VectorLayout``):
+the loss sum, the sample digest, its own local gradient norm (measured by a tensor hook
+*before* DeepSpeed's reduction) and, every ``fingerprint_interval`` steps, a checksum of its
+parameters. Every ``check_interval``
 steps (and before every save) one all-reduce of the vectors since the last check gives every
 rank the same numbers, and every rank judges those steps in order, so every rank takes the
 same decision at the same step.
@@ -23,6 +24,7 @@ from wonderland_ds.config.settings import Guards
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.training import faults, health
 from wonderland_ds.training.health import Event
+from wonderland_ds.training.layout import VectorLayout
 
 SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
 FIRST_PROBE = 10  # adaptive probing without the start check: the first probe, steps after start
@@ -41,6 +43,7 @@ class StepGuards:
     ) -> None:
         self.g, self.plan, self.stage_dir = g, plan, stage_dir
         self.rank, self.world = dist.rank(), dist.world_size()
+        self.layout = VectorLayout(self.world)
         self.hosts: list[str] = dist.gather_all(dist.hostname())
         self.replicas = zero_stage < 3  # ZeRO-3 partitions parameters: no replicas to compare
         self.fp16, self.min_loss_scale = fp16, min_loss_scale
@@ -98,8 +101,7 @@ class StepGuards:
         # and read on the host once per check. The reduction accumulates in fp32 whatever the
         # gradient's dtype; a bf16 gradient's norm is returned in bf16 (8 significant bits,
         # 0.4% at most, far inside grad_drop_ratio), which costs a third of asking for an fp32
-        # result (2.0-3.4 against 4.1-5.2 us a gradient on digits' shapes,
-        # bench/bench_parts.py). fp16 asks for fp32: a loss-scaled norm can pass fp16's 65504.
+        # result. fp16 asks for fp32: a loss-scaled norm can pass fp16's 65504.
         self.norms.append(torch.linalg.vector_norm(grad, dtype=self._norm_dtype.get(grad.dtype)))
         return grad
 
@@ -119,8 +121,7 @@ class StepGuards:
     def micro(self, last: bool) -> None:
         """A micro-batch's backward comes next. Only the step's last one is measured: a norm
         per gradient is most of what the guards cost a step (16 of them on digits, 4
-        micro-batches of 4 gradients; measured: 0.09-0.10 ms of a rank's CPU in a 6 ms ZeRO-1
-        step, BENCHMARKS.md section 2), and one micro-batch a step tells a rank that drops or
+        micro-batches of 4 gradients), and one micro-batch a step tells a rank that drops or
         corrupts its gradients from its peers as well as four. A drop fault still zeroes every
         micro-batch's gradients."""
         self.measuring = last
@@ -128,21 +129,20 @@ class StepGuards:
     def vector(
         self, module: torch.nn.Module, extra: int = 0
     ) -> tuple[list[float], torch.Tensor | None]:
-        """This rank's row for the step: [loss, digest, grad norm per rank, fingerprint per
-        rank, step s, probe s, then ``extra`` slots for the caller], summed over ranks by the
-        check, so step s and probe s become sums and every rank reads the same means (probe
-        decisions are collective and must agree). Plain floats, and this step's squared
-        gradient norm as a tensor where the gradients live (None without hooks): the check
-        fills the loss and this rank's norm (slot ``2 + rank``) for all its steps at once,
-        one host transfer per check."""
-        w = self.world
-        v = [0.0] * (4 + 2 * w + extra)
+        """This rank's row for the step (:class:`VectorLayout`, then ``extra`` slots for the
+        caller), summed over ranks by the check, so step s and probe s become sums and every
+        rank reads the same means (probe decisions are collective and must agree). Plain
+        floats, and this step's squared gradient norm as a tensor where the gradients live
+        (None without hooks): the check fills the loss and this rank's norm for all its steps
+        at once, one host transfer per check."""
+        lay = self.layout
+        v = [0.0] * (lay.size + extra)
         if self._fingerprint_due():
             names, sums = _per_param(module)
             self.param_sums[self.step] = (names, sums)
-            v[2 + w + self.rank] = math.fsum(x * (i + 1) for i, x in enumerate(sums))
-        v[2 + 2 * w] = time.perf_counter() - self.t_begin
-        v[3 + 2 * w], self.probe_s = self.probe_s, 0.0
+            v[lay.fingerprint(self.rank)] = math.fsum(x * (i + 1) for i, x in enumerate(sums))
+        v[lay.step_s] = time.perf_counter() - self.t_begin
+        v[lay.probe_s], self.probe_s = self.probe_s, 0.0
         sq = torch.stack(self.norms).double().square().sum() if self.norms else None
         return v, sq
 
@@ -156,11 +156,11 @@ class StepGuards:
             return False
         if n is not None:
             return step % n == 0
-        mean_step = float(v[2 + 2 * w]) / w
+        mean_step = float(v[self.layout.step_s]) / w
         self.step_ema = (
             mean_step if self.step_ema is None else 0.9 * self.step_ema + 0.1 * mean_step
         )
-        probe = float(v[3 + 2 * w]) / w
+        probe = float(v[self.layout.probe_s]) / w
         if (
             probe == 0
             and not self.probe_intervals
@@ -196,7 +196,7 @@ class StepGuards:
             return []
         step, w = self.step, self.world
         out = self.watchdog.update(step, loss, lr)
-        norms = [float(x) for x in v[2 : 2 + w]]
+        norms = [float(x) for x in v[self.layout.norms]]
         drops = health.grad_drops(step, norms, self.hosts, self.g)
         # Zero or non-finite counts at once; "far below its peers" only when it persists
         # (one small micro-batch can have a small gradient; a dropping rank stays low).
@@ -211,7 +211,7 @@ class StepGuards:
             kept = self.param_sums.pop(step, None)
             names, sums = kept if kept is not None else _per_param(module)
             self.param_sums = {k: x for k, x in self.param_sums.items() if k > step}
-            prints = [float(x) for x in v[2 + w : 2 + 2 * w]]
+            prints = [float(x) for x in v[self.layout.prints]]
             if len(set(prints)) > 1:  # find the first parameter that differs, by name
                 found = health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
                 if not found:  # the sums agree one by one but not weighted: name the ranks

@@ -2,9 +2,10 @@
 
 DeepSpeed's monitor (``deepspeed.monitor.monitor.MonitorMaster``, configured by the config's
 ``tensorboard`` / ``csv_monitor`` sections) writes the LR and the loss scale, but not the
-training loss for the plain engine (FACTS.md). :class:`MetricsSink` writes what an operator
-needs per optimizer step, keyed by the global step: the loss, LR, gradient norm, step and
-data-wait times, throughput and the health guards' figures.
+training loss for the plain engine. :class:`MetricsSink` writes what an operator
+needs per optimizer step (a :class:`~wonderland_ds.training.rows.StepRow`), keyed by the
+global step: the loss, LR, gradient norm, step and data-wait times, throughput and the health
+guards' figures.
 
 Where: through ``engine.monitor`` when the config enables DeepSpeed's monitor (the user's
 writers, wandb and comet included, get our events too); otherwise a ``MonitorMaster`` of its own
@@ -26,18 +27,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wonderland_ds.training.rows import StepRow
+
 #: Event tags (the CSV file of ``Train/Steps/loss`` is ``Train_Steps_loss.csv``).
 LOSS, LR, GRAD_NORM = "Train/Steps/loss", "Train/Steps/lr", "Train/Steps/grad_norm"
 STEP_S, DATA_WAIT_S = "Train/Steps/step_s", "Train/Steps/data_wait_s"
 SAMPLES_PER_S, TOKENS_PER_S = "Train/Steps/samples_per_s", "Train/Steps/tokens_per_s"
 LOSS_SCALE = "Train/Steps/loss_scale"
-ROW_TAGS = {
-    "loss": LOSS,
-    "lr": LR,
-    "grad_norm": GRAD_NORM,
-    "step_s": STEP_S,
-    "data_wait_s": DATA_WAIT_S,
-}
+ROW_TAGS = (
+    ("loss", LOSS),
+    ("lr", LR),
+    ("grad_norm", GRAD_NORM),
+    ("step_s", STEP_S),
+    ("data_wait_s", DATA_WAIT_S),
+)
 
 
 def tensorboard_available() -> bool:
@@ -100,16 +103,14 @@ def write_batch(
     The same files and records as ``master.write_events``, at a fraction of the cost:
     DeepSpeed's CSV writer opens and closes a file per event, and its TensorBoard writer makes
     one protobuf event (one queue hand-off to TensorBoard's writer thread) per scalar.
-    Measured for the 14 tags of one step: 0.25 ms and 1.2 ms of CPU per step, against a
-    13 ms step on 2 cores that two ranks share (BENCHMARKS.md). Here each CSV file is opened
+    Here each CSV file is opened
     once per batch, and each step is one TensorBoard event holding all its scalars (a
     ``Summary`` with several ``simple_value`` entries, as ``add_scalar`` writes them one by
     one). wandb and comet get DeepSpeed's own ``write_events``. Anything that is not a
     ``MonitorMaster`` gets its ``write_events`` as it is.
 
     ``files``: CSV files kept open from one batch to the next (by name; the caller closes
-    them, :func:`close_files`), instead of one open per file per batch: 14 opens every 10
-    steps were half of what a batch cost (bench/bench_parts.py)."""
+    them, :func:`close_files`), instead of one open per file per batch."""
     if not all(hasattr(master, a) for a in ("csv_monitor", "tb_monitor")):
         master.write_events(list(events))
         return
@@ -124,39 +125,6 @@ def write_batch(
         other = getattr(master, name, None)
         if other is not None:
             other.write_events(list(events))
-
-
-def fast_tensorboard_crc() -> bool:
-    """Give TensorBoard's event writer a C CRC32C. Every TFRecord it writes carries two masked
-    CRC32C sums that TensorBoard computes in pure Python (``tensorflow_stub.pywrap_tensorflow``,
-    a byte-at-a-time table loop): 72 us for one step's 14-scalar event (428 bytes) against
-    0.5 us with ``google_crc32c``'s C code, about half of what writing a step to TensorBoard
-    costs (bench/bench_parts.py). The replacement is installed into TensorBoard's
-    record writer only when ``google_crc32c`` has its C implementation and agrees with
-    TensorBoard's own function on test vectors; otherwise nothing changes (same bytes, slower).
-    Returns whether the C checksum is in use. Idempotent."""
-    try:
-        import google_crc32c
-        from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-        from tensorboard.summary.writer import record_writer
-    except ImportError:
-        return False
-    if getattr(record_writer.masked_crc32c, "_wonderland", False):
-        return True
-    if google_crc32c.implementation != "c":
-        return False
-    value = google_crc32c.value
-
-    def masked_crc32c(data: bytes) -> int:
-        x = value(data)
-        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-    vectors = [b"", b"a", bytes(range(256)) * 3, b"\x00" * 8, b"wonderland" * 41]
-    if any(masked_crc32c(v) != pywrap_tensorflow.masked_crc32c(v) for v in vectors):
-        return False
-    masked_crc32c._wonderland = True  # type: ignore[attr-defined]
-    record_writer.masked_crc32c = masked_crc32c
-    return True
 
 
 def _tensorboard_batch(writer: Any, events: Sequence[tuple[str, float, int]]) -> None:
@@ -209,16 +177,6 @@ def close_files(files: dict[str, Any]) -> None:
     for fh in files.values():
         fh.close()
     files.clear()
-
-
-def _float(value: Any) -> float | None:
-    if value is None or value == "":
-        return None
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        return None
-    return f  # NaN and inf are written as they are: a NaN loss is news
 
 
 class MetricsSink:
@@ -281,7 +239,6 @@ class MetricsSink:
         writer = self._tb_writer()
         if writer is not None:
             self.tb_dir = Path(writer.log_dir)
-            fast_tensorboard_crc()
             if keep_upto is not None:
                 self._tb_restart(keep_upto)
         # A thread writes the events (batched: write_batch), so the step loop only queues.
@@ -360,25 +317,24 @@ class MetricsSink:
 
     def events(
         self,
-        row: Mapping[str, Any],
+        row: StepRow,
         loss_scale: float | None = None,
         extra: Mapping[str, float] | None = None,
     ) -> list[tuple[str, float, int]]:
-        """The (tag, value, step) events for one of engine.fit's rows."""
-        step = int(float(row["step"]))
+        """The (tag, value, step) events for one step's row."""
+        step = row.step
         out = []
-        for key, tag in ROW_TAGS.items():
-            v = _float(row.get(key))
+        for key, tag in ROW_TAGS:
+            v = getattr(row, key)
             if v is not None:
-                out.append((tag, v, step))
-        samples, wall = _float(row.get("samples")), _float(row.get("wall"))
-        step_s = _float(row.get("step_s"))
+                out.append((tag, float(v), step))
+        samples, wall, step_s = row.samples, row.wall, row.step_s
         sps = None
         if samples is not None and wall is not None:
             prev = self._prev
             if prev is not None and prev[0] < step and wall > prev[2]:
                 sps = (samples - prev[1]) / (wall - prev[2])
-            self._prev = (step, samples, wall)
+            self._prev = (step, float(samples), wall)
         if sps is None and self.samples_per_step and step_s:  # the first row: its own time
             sps = self.samples_per_step / step_s
         if sps is not None:
@@ -393,7 +349,7 @@ class MetricsSink:
 
     def write(
         self,
-        row: Mapping[str, Any],
+        row: StepRow,
         loss_scale: float | None = None,
         extra: Mapping[str, float] | None = None,
     ) -> None:

@@ -8,8 +8,7 @@ waited for the next batch. Rates and the stall share are over the last ``window`
 the run is doing now); :meth:`close` prints the whole stage's figures. Each checkpoint gets a
 one-line summary.
 
-Rows are engine.fit's per-step rows (``step``, ``loss``, ``lr``, ``grad_norm``, ``samples``,
-``step_s``, ``data_wait_s``, ``wall``); their values may be numbers or the strings fit formats.
+Rows are the trainer's judged steps (:class:`~wonderland_ds.training.rows.StepRow`).
 """
 
 from __future__ import annotations
@@ -17,21 +16,12 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from wonderland_ds.training.rows import StepRow
+
 PREFIX = "[wonderland]"
-
-
-def _num(row: Mapping[str, Any], key: str) -> float | None:
-    value = row.get(key)
-    if value is None or value == "":
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def hms(seconds: float | None) -> str:
@@ -96,7 +86,7 @@ class ProgressDisplay:
         self.recent: deque[tuple[float, int, float, float, float]] = deque(maxlen=max(2, window))
         self.t0 = time.time()
         self.first_wall: float | None = None
-        self.last: dict[str, Any] = {}
+        self.last: StepRow | None = None
         self.step_total = self.wait_total = 0.0
         self.steps_done = 0
         self.saves, self.save_s = 0, 0.0
@@ -150,7 +140,7 @@ class ProgressDisplay:
         step = int(f["step"] or 0)
         pct = 100.0 * (step - self.start) / max(1, self.end - self.start)
         parts = [f"{PREFIX} stage {self.stage} step {step}/{self.end} ({pct:.0f}%)"]
-        loss, lr, gnorm = _num(row, "loss"), _num(row, "lr"), _num(row, "grad_norm")
+        loss, lr, gnorm = (None, None, None) if row is None else (row.loss, row.lr, row.grad_norm)
         figs = []
         if loss is not None:
             figs.append(f"loss {loss:.4g}")
@@ -171,16 +161,18 @@ class ProgressDisplay:
 
     # ------------------------------------------------------------ events
 
-    def step(self, row: Mapping[str, Any], loss_scale: float | None = None) -> None:
+    def step(self, row: StepRow, loss_scale: float | None = None) -> None:
         """One optimizer step done (call it on every rank; only rank 0 shows anything)."""
         if self.quiet:
             return
-        step = int(_num(row, "step") or 0)
-        wall = _num(row, "wall") or time.time()
-        samples = _num(row, "samples")
-        if samples is None:
-            samples = float((step - self.start) * self.samples_per_step)
-        step_s, wait_s = _num(row, "step_s") or 0.0, _num(row, "data_wait_s") or 0.0
+        step = row.step
+        wall = row.wall or time.time()
+        samples = (
+            float((step - self.start) * self.samples_per_step)
+            if row.samples is None
+            else float(row.samples)
+        )
+        step_s, wait_s = row.step_s or 0.0, row.data_wait_s or 0.0
         if self.first_wall is None:
             # The first step's wall time marks its end: count the stage from its start.
             self.first_wall = wall - step_s
@@ -188,10 +180,10 @@ class ProgressDisplay:
         self.step_total += step_s
         self.wait_total += wait_s
         self.steps_done += 1
-        self.last = dict(row)
+        self.last = row
         if self.bar is not None:
             f = self.figures()
-            post = [f"loss {_num(row, 'loss') or 0:.4g}", f"lr {_num(row, 'lr') or 0:.3g}"]
+            post = [f"loss {row.loss or 0:.4g}", f"lr {row.lr or 0:.3g}"]
             if loss_scale is not None:
                 post.append(f"scale {loss_scale:g}")
             post.append(f"{rate(f['samples_per_s'] or 0.0)} samples/s")
@@ -222,11 +214,11 @@ class ProgressDisplay:
         self.saves += 1
         self.save_s += seconds
         path = Path(tag_dir)
-        loss = _num(self.last, "loss")
+        loss = None if self.last is None else self.last.loss
         what = f"{path.name} complete in {_secs(seconds)}"
         if background:
             what = f"{path.name} saving in the background (training blocked {_secs(seconds)})"
-        figs = [f"step {int(_num(self.last, 'step') or 0)}"]
+        figs = [f"step {0 if self.last is None else self.last.step}"]
         if loss is not None:
             figs.append(f"loss {loss:.4g}")
         if not background and path.is_dir():

@@ -12,17 +12,12 @@ import torch
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import Finding, Refused, has_errors, render
+from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 from wonderland_ds.training import faults
-from wonderland_ds.training.engine import (
-    Progress,
-    StageRun,
-    build,
-    fit,
-    fresh_progress,
-    restore_module_extras,
-    sync_lr,
-)
+from wonderland_ds.training.build import build, restore_module_extras, sync_lr
+from wonderland_ds.training.state import Progress, StageRun, fresh_progress
+from wonderland_ds.training.trainer import fit
 
 
 def _verify(run: StageRun) -> bool:
@@ -58,22 +53,22 @@ def _universal_source(plan: Plan, run_dir: Path, stage: int) -> Path:
 def train(
     args: argparse.Namespace,
     run_dir: Path,
-    decided: dict[str, Any],
+    inputs: StageInputs,
     plan: Plan,
     fault: faults.FaultPlan,
 ) -> dict[str, Any]:
-    settings = decided["settings"]
+    settings = inputs.settings
     run = StageRun(
         stage=args.stage,
         run_dir=run_dir,
-        task=decided["task"],
-        ds_dict=decided["ds_dict"],
-        cfg=decided["cfg"],
+        task=inputs.task,
+        ds_dict=inputs.ds_dict,
+        cfg=inputs.cfg,
         settings=settings,
-        seed=decided["seed"],
+        seed=inputs.seed,
         steps=args.steps or settings.steps_for(args.stage),
         fault=fault,
-        heartbeat=decided.get("heartbeat"),
+        heartbeat=inputs.heartbeat,
     )
     if plan.source is None:
         prog, norm = fresh_progress(run)

@@ -4,9 +4,8 @@ A rank's start imports torch, DeepSpeed and ``torch._dynamo`` (which ``deepspeed
 pulls in), builds the engine and loads the checkpoint: some 430-450 thousand objects that
 live as long as the process, and about 10 thousand of cyclic garbage (functions, cells,
 tuples, import-time tracebacks; no tensor: counted with ``gc.DEBUG_SAVEALL`` on the 25.5M GPT
-resume). Left on, the collector scans the survivors again and again as they pile up, up to
-0.1-0.2 s a full collection here: 0.81-0.87 s of each rank's start in a plain DeepSpeed resume
-(measured with a ``gc.callbacks`` timer, BENCHMARKS.md section 5).
+resume). Left on, the collector scans the survivors again and again as they pile up: a large share of
+each rank's start in a plain DeepSpeed resume (docs/performance.md has the measured cost).
 
 * ``hold()``: the collector off, where a rank's process starts (``train.py``);
 * ``freeze_imports()``: once torch and DeepSpeed are imported and the process group is up,
