@@ -57,22 +57,45 @@ def _launch_cmd(tmp_path: Path, marker: Path) -> tuple[list[str], dict[str, str]
 
 
 def test_the_early_launcher_launches_nothing_until_released(tmp_path):
-    """`wonderland train` starts DeepSpeed's launcher while its preflight runs (the launcher's
-    2 s import overlaps the checks): refused or abandoned, it has launched nothing; released,
-    it runs the command exactly as the `deepspeed` script would."""
+    """`wonderland train --preload-launcher` starts DeepSpeed's launcher while its preflight
+    runs (the launcher's import overlaps the checks): refused or abandoned, it has launched
+    nothing; released, it runs the command exactly as the `deepspeed` script would."""
     marker = tmp_path / "ran.txt"
     cmd, env = _launch_cmd(tmp_path, marker)
-    refused = launch.Launch(cmd, env)
+    refused = launch.Launch(cmd, env, preload=True)
     assert refused.proc is not None  # preloading DeepSpeed's runner
     time.sleep(1.0)
     refused.cancel()  # the preflight refused
     assert refused.proc.returncode is not None and not marker.exists()
 
-    abandoned = launch.Launch(cmd, env)
+    abandoned = launch.Launch(cmd, env, preload=True)
     os.close(abandoned._w)  # the front died: end of file, no "go"
     abandoned._w = None
     assert abandoned.proc.wait(timeout=60) == 0 and not marker.exists()
 
-    released = launch.Launch(cmd, env)
+    released = launch.Launch(cmd, env, preload=True)
     assert released.go() == 0
     assert marker.read_text() == "ran\n"  # one rank ran the job, once
+
+
+def test_the_launcher_is_not_preloaded_unless_asked(tmp_path):
+    """By default nothing starts before the preflight passed; :meth:`go` runs the command."""
+    marker = tmp_path / "ran.txt"
+    cmd, env = _launch_cmd(tmp_path, marker)
+    waiting = launch.Launch(cmd, env)
+    assert waiting.proc is None
+    waiting.cancel()  # a refusal: nothing to stop
+    assert not marker.exists()
+    assert launch.Launch(cmd, env).go() == 0
+    assert marker.read_text() == "ran\n"
+
+
+def test_the_ranks_run_the_entry_as_a_module(tmp_path):
+    """The launch names ``wonderland_ds.train`` as a module, not a file of this checkout: it
+    runs wherever the package is installed."""
+    local, _ = parse(REPO / "hostfiles" / "localhost")
+    assert local is not None
+    cmd, _, _ = launch.build(local, None, ["--stage", "15"], tmp_path, 29500)
+    at = cmd.index("--module")
+    assert cmd[at + 1 : at + 4] == ["wonderland_ds.train", "--stage", "15"]
+    assert not [c for c in cmd if c.endswith(".py")]

@@ -99,7 +99,7 @@ def test_files_the_static_reader_cannot_follow_fail_closed(tmp_path):
 
 def test_the_front_process_never_imports_torch(tmp_path):
     """`wonderland train --dry-run` (the preflight every launch runs first) without torch:
-    its import was 2 s of every launch (BENCHMARKS.md section 5)."""
+    its import was 2 s of every launch."""
     code = (
         "import sys\n"
         "from wonderland_ds.cli import main as cli\n"

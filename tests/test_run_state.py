@@ -147,7 +147,7 @@ def test_optimizer_names_match_the_installed_deepspeed_and_torch():
     import torch
     from deepspeed.runtime import config as ds_cfg
 
-    from wonderland_ds.config.ds_config import DEEPSPEED_OPTIMIZERS, torch_optimizers
+    from wonderland_ds.config.ds_models import DEEPSPEED_OPTIMIZERS, torch_optimizers
 
     assert set(DEEPSPEED_OPTIMIZERS) == set(ds_cfg.DEEPSPEED_OPTIMIZERS)
     real = {
@@ -346,7 +346,7 @@ def test_a_killed_stage_reads_interrupted_and_the_pipeline_mends_it(tmp_path):
 
 def test_hosts_a_timeout_names_are_excluded_from_the_next_launch(tmp_path):
     from wonderland_ds.config.hostfile import parse
-    from wonderland_ds.launch.stage import _named_hosts
+    from wonderland_ds.launch.rank import _named_hosts
 
     hung = (
         "a collective timed out after the 60 s process-group timeout on rank 0; rank 2"
@@ -368,7 +368,7 @@ def test_hosts_a_timeout_names_are_excluded_from_the_next_launch(tmp_path):
 def test_only_training_stages_refuse_a_rerun(tmp_path):
     import argparse
 
-    from wonderland_ds.cli.commands import _refuse_rerun
+    from wonderland_ds.cli.attempts import refuse_rerun as _refuse_rerun
     from wonderland_ds.core.findings import Refused
     from wonderland_ds.run import manifest
 

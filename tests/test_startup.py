@@ -1,6 +1,6 @@
 """The garbage collector while a rank starts (wonderland_ds/startup.py): off from train.py's
 start, the imports frozen, one collection and back on at the first step; and the GIL switch
-interval while engine.fit trains."""
+interval while trainer.fit trains (when switched on)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ fake.is_main = lambda: True
 fake.log = lambda msg: None
 sys.modules["wonderland_ds.core.distributed"] = fake
 import wonderland_ds.train as train
-from wonderland_ds.launch import stage
+from wonderland_ds.launch import rank
 from wonderland_ds.training import startup
 seen = {}
 hold = startup.hold
@@ -100,7 +100,7 @@ startup.hold = spy_hold
 def fake_run(args):
     seen["on_during"] = gc.isenabled()
     return 0
-stage.run = fake_run
+rank.run = fake_run
 rc = train.main(["--stage", "16"])
 print(rc, seen["torch_at_hold"], seen["on_during"], gc.isenabled())
 """
@@ -132,7 +132,7 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
     import argparse
 
     from wonderland_ds.config.settings import WonderlandSettings
-    from wonderland_ds.data import tasks
+    from wonderland_ds.data import builtin
     from wonderland_ds.launch import stage
 
     seen: list[bool] = []
@@ -145,7 +145,7 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
             seen.append(gc.isenabled())
             return self
 
-    monkeypatch.setattr(tasks, "load", lambda spec, settings=None: Task())
+    monkeypatch.setattr(builtin, "load", lambda spec, settings=None: Task())
     startup.hold()
     args = argparse.Namespace(task="anything")
     got, _ = stage._task_data(args, WonderlandSettings(), tmp_path, check_stale=True)
@@ -154,37 +154,44 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
 
 
 def test_fit_trains_with_short_gil_waits_and_restores_the_interval(monkeypatch):
-    """engine.fit runs its loop with the GIL switch interval at most 0.5 ms (background
-    writer threads hold the GIL in bursts; the loop would wait up to 5 ms for it), keeps a
-    smaller interval the caller set, and restores the caller's after, also after a failure."""
+    """wonderland.gil_switch_us (CPU-only tuning, off by default): switched on, trainer.fit
+    runs its loop with the GIL switch interval at most that (background writer threads hold
+    the GIL in bursts), keeps a smaller interval the caller set, and restores the caller's
+    after, also after a failure. Off, the interval is Python's as it was."""
     import sys
     import types
 
     from wonderland_ds.config.settings import WonderlandSettings
-    from wonderland_ds.training import engine
+    from wonderland_ds.training import trainer
 
     seen: list[float] = []
 
-    def fake_fit(run, engine_, prog, log, verify=False):
-        seen.append(sys.getswitchinterval())
-        if verify:
-            raise RuntimeError("a rank died")
-        return {"ok": True}
+    class FakeTrainer:
+        def __init__(self, run, engine_, prog, report, verify=False):
+            self.verify = verify
 
-    monkeypatch.setattr(engine, "_fit", fake_fit)
+        def train(self):
+            seen.append(sys.getswitchinterval())
+            if self.verify:
+                raise RuntimeError("a rank died")
+            return {"ok": True}
+
+    monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
     before = sys.getswitchinterval()
-    run = types.SimpleNamespace(settings=WonderlandSettings(loop_nice=0))
+    run = types.SimpleNamespace(settings=WonderlandSettings(gil_switch_us=500))
     try:
         sys.setswitchinterval(0.005)
-        assert engine.fit(run, None, None, None) == {"ok": True}
+        trainer.fit(types.SimpleNamespace(settings=WonderlandSettings()), None, None, None)
+        assert seen[-1] == pytest.approx(0.005)  # the default: Python's own
+        assert trainer.fit(run, None, None, None) == {"ok": True}
         assert seen[-1] == pytest.approx(
             0.0005, rel=0.05
         ) and sys.getswitchinterval() == pytest.approx(0.005)
         with pytest.raises(RuntimeError):
-            engine.fit(run, None, None, None, verify=True)
+            trainer.fit(run, None, None, None, verify=True)
         assert sys.getswitchinterval() == pytest.approx(0.005)
         sys.setswitchinterval(0.0002)  # the caller's own, smaller: kept
-        engine.fit(run, None, None, None)
+        trainer.fit(run, None, None, None)
         assert seen[-1] == pytest.approx(
             0.0002, rel=0.05
         ) and sys.getswitchinterval() == pytest.approx(0.0002, rel=0.05)

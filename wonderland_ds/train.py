@@ -1,7 +1,8 @@
 """Per-rank entry run by the ``deepspeed`` launcher (or ``mpirun``): parse, run, tear down.
 
+deepspeed --hostfile hostfiles/localhost --no_ssh_check --module wonderland_ds.train --stage 16 ...
 deepspeed --hostfile hostfiles/localhost --no_ssh_check wonderland_ds/train.py --stage 16 ...
-mpirun -np 2 python wonderland_ds/train.py --stage 16 ...
+mpirun -np 2 python -m wonderland_ds.train --stage 16 ...
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import argparse
 import os
 import sys
 
-if __package__ in (None, ""):  # run as a script: import the package, not sibling files
+if __package__ in (None, ""):
+    # Run as a script, Python puts this folder first on sys.path: its subpackages (config,
+    # data, run, training, eval...) would shadow a user's task modules of those names.
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    sys.path.insert(0, os.path.dirname(here))
 
 from wonderland_ds.core import quiet
 from wonderland_ds.core.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
@@ -33,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
     from wonderland_ds.core import distributed as dist
-    from wonderland_ds.launch import stage
+    from wonderland_ds.launch import rank
 
     agreed = False  # every rank reached the same end: tear down behind a barrier
     try:
-        rc = stage.run(args)
+        rc = rank.run(args)
         agreed = True
         return rc
     except Refused as exc:
@@ -61,8 +63,7 @@ if __name__ == "__main__":
     # Every rank reached the same end and tore its process groups down behind a barrier; all
     # files are closed. Leave without interpreter finalization: objects still holding gloo's
     # C++ threads were destroyed there once in a while, aborting a rank whose stage had
-    # succeeded ("terminate called without an active exception", exit -6: once in CI, once in
-    # bench_resume.py with 3 ranks; same class as pytorch/pytorch#179291).
+    # succeeded ("terminate called without an active exception", exit -6).
     # Under mpirun the MPI runtime must still be finalized (mpi4py does it at exit otherwise).
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():

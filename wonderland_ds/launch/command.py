@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 from wonderland_ds.config.hostfile import Hostfile
-from wonderland_ds.core.distributed import CARRIED_ENV, CARRIED_PREFIXES
+from wonderland_ds.core.carried import CARRIED_ENV, CARRIED_PREFIXES
 
-TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+#: The per-rank entry, run as a module (``python -m``): found wherever the package is installed.
+ENTRY = "wonderland_ds.train"
 
 #: What the launcher's pdsh command line can carry unquoted (it writes `export K=V;`).
 _SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.,:/=@+%")
@@ -110,12 +111,12 @@ def build(
         cmd += ["--no_ssh_check", "--master_addr", "127.0.0.1"]
     if nproc is not None:
         cmd += ["--num_gpus", str(nproc)]
-    cmd += ["--master_port", str(master_port or pick_port()), str(TRAIN_PY), *stage_argv]
+    cmd += ["--master_port", str(master_port or pick_port()), "--module", ENTRY, *stage_argv]
     env.update(CARRIED_ENV)
     env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(env))
     env["DS_ENV_FILE"] = str((run_dir / ".deepspeed_env").resolve())
     if "OMP_NUM_THREADS" not in env:
-        # The launcher leaves it unset on CPU: ranks then oversubscribe the cores (FACTS.md).
+        # The launcher leaves it unset on CPU: ranks then oversubscribe the cores.
         local = nproc or max(hostfile.hosts.values())
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
         notes.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank (was unset)")
@@ -153,13 +154,13 @@ def write_env_file(run_dir: Path, env: dict[str, str]) -> tuple[Path, list[str]]
 
 
 #: DeepSpeed's ``deepspeed`` console script, started before the front process has finished its
-#: checks: it imports DeepSpeed (torch included, 1.7-2.5 s here; with the garbage collector off,
-#: whose full collections were 0.23-0.29 s of that) while the front verifies the checkpoint,
-#: then waits for one line on the file descriptor it is given. "go" runs the runner exactly as
-#: the script would; anything else (the front refused, or died) exits having launched nothing.
+#: checks (``--preload-launcher``): it imports DeepSpeed (torch included, with the garbage
+#: collector off over the import's survivors) while the front verifies the checkpoint, then
+#: waits for one line on the file descriptor it is given. "go" runs the runner exactly as the
+#: script would; anything else (the front refused, or died) exits having launched nothing.
 _PRELOAD = """
 import gc, os, sys
-gc.disable()  # no full collections over the import's survivors (wonderland_ds/startup.py)
+gc.disable()  # no full collections over the import's survivors
 from deepspeed.launcher.runner import main
 gc.freeze()
 gc.enable()
@@ -173,16 +174,17 @@ main()
 
 
 class Launch:
-    """DeepSpeed's launcher started early, released by :meth:`go` once the preflight passed,
-    or killed by :meth:`cancel` (it has launched nothing then). Without a ``deepspeed`` next
-    to this Python (the one preloaded would not be the one named), it simply runs ``cmd`` at
+    """DeepSpeed's launcher, run by :meth:`go` once the preflight passed. ``preload`` (opt-in):
+    it is started at once and imports itself while the preflight runs, launching nothing until
+    :meth:`go`, killed by :meth:`cancel`. Preloading needs the ``deepspeed`` next to this Python
+    (the one preloaded would not be the one named otherwise); without it, ``cmd`` runs at
     :meth:`go`."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], preload: bool = False) -> None:
         self.cmd, self.env = cmd, env
         self.proc: subprocess.Popen[bytes] | None = None
         self._w: int | None = None
-        if Path(cmd[0]) == Path(sys.executable).with_name("deepspeed"):
+        if preload and Path(cmd[0]) == Path(sys.executable).with_name("deepspeed"):
             r, self._w = os.pipe()
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _PRELOAD, str(r), *cmd[1:]], env=env, pass_fds=(r,)
@@ -192,11 +194,12 @@ class Launch:
     def go(self) -> int:
         """Release the launcher (or start it) and wait for it; its exit code."""
         if self.proc is None:
-            return subprocess.call(self.cmd, env=self.env)
-        assert self._w is not None
-        os.write(self._w, b"go\n")
-        os.close(self._w)
-        self._w = None
+            self.proc = subprocess.Popen(self.cmd, env=self.env)
+        else:
+            assert self._w is not None
+            os.write(self._w, b"go\n")
+            os.close(self._w)
+            self._w = None
         try:
             return self.proc.wait()
         except KeyboardInterrupt:  # the launcher got the same SIGINT: let it stop its ranks

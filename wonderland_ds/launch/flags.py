@@ -56,7 +56,7 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
         help="DeepSpeed JSON config with a 'wonderland' section, a path or a shipped config's"
         " name (`wonderland configs`; default: %(default)s)",
     )
-    # Internal: `wonderland train` passes what its preflight verified to rank 0 (stage.py).
+    # Internal: the plan `wonderland train` decided, and what it verified, for rank 0 (stage.py).
     p.add_argument("--verified", help=argparse.SUPPRESS)
     p.add_argument(
         "--run-dir",

@@ -1,0 +1,66 @@
+"""``wonderland check CONFIG...``: validate DeepSpeed JSON configs (and a hostfile) without a
+GPU; a config naming a user task also builds its model and runs one forward on its data."""
+
+from __future__ import annotations
+
+import argparse
+
+from wonderland_ds.cli.common import Commands
+from wonderland_ds.core.findings import EXIT_OK, EXIT_REFUSED, Finding, has_errors, render
+from wonderland_ds.launch.flags import positive, stage_number
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from wonderland_ds.config import ds_config, hostfile
+
+    findings: list[Finding] = []
+    world = args.world_size
+    if args.hostfile:
+        hf, found = hostfile.parse(args.hostfile)
+        findings += found
+        if hf is not None and world is None:
+            world = hf.world_size
+    stages = {args.stage} if args.stage else set()
+    for path in args.configs:
+        found = ds_config.check_file(path, world, stages)
+        findings += found or [Finding("config", "ok", "valid", "", path)]
+        if not has_errors(found):
+            findings += _task_findings(path, args.task)
+    render(findings, args.json)
+    if not args.json:
+        n_err = sum(f.severity == "error" for f in findings)
+        n_warn = sum(f.severity == "warn" for f in findings)
+        verdict = "refused" if n_err else "ok"
+        print(f"{verdict}: {len(args.configs)} config(s), {n_err} error(s), {n_warn} warning(s)")
+    return EXIT_REFUSED if has_errors(findings) else EXIT_OK
+
+
+def _task_findings(path: str, spec: str | None) -> list[Finding]:
+    """The task check for a valid config that names a user task, or for ``--task``."""
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.eval.check import check_task, names_a_task
+
+    raw, _ = ds_config.load_json(path)
+    assert raw is not None
+    spec = spec or names_a_task(raw)
+    if spec is None:
+        return []
+    _, settings, _ = ds_config.validate(raw, path)
+    assert settings is not None
+    micro = raw.get("train_micro_batch_size_per_gpu")
+    return check_task(spec, settings, micro if isinstance(micro, int) and micro > 0 else 1, path)
+
+
+def add_parser(sub: Commands) -> None:
+    p = sub.add_parser("check", help="validate DeepSpeed JSON configs and a hostfile, no GPU")
+    p.add_argument("configs", nargs="+", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
+    p.add_argument("--hostfile", help="hostfile whose slots give the world size")
+    p.add_argument("--world-size", type=positive, help="data-parallel size (default: hostfile)")
+    p.add_argument("--stage", type=stage_number, help="apply the rules for this stage (e.g. 16)")
+    p.add_argument(
+        "--task",
+        help="also build this task's model and run one forward and loss on one micro-batch of"
+        " its data (default: the config's task when it is causal-lm or module:function)",
+    )
+    p.add_argument("--json", action="store_true", help="print findings as a JSON list")
+    p.set_defaults(func=cmd_check)

@@ -1,0 +1,68 @@
+"""What several commands share: the launch flags of ``train``, ``pipeline`` and ``eval``, and
+a hostfile read or refused."""
+
+from __future__ import annotations
+
+import argparse
+
+from wonderland_ds.config import hostfile as hostfile_mod
+from wonderland_ds.config import shipped
+from wonderland_ds.core.findings import Refused
+from wonderland_ds.launch.flags import DEFAULT_HOSTFILE, non_negative, positive
+
+#: ``parser.add_subparsers()``: where each command module adds its sub-command.
+Commands = argparse._SubParsersAction  # type: ignore[type-arg]
+
+
+def hostfile_or_refuse(path: str) -> hostfile_mod.Hostfile:
+    hf, found = hostfile_mod.parse(path)
+    if hf is None:
+        raise Refused(found)
+    return hf
+
+
+def add_launch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hostfile",
+        type=shipped.hostfile_path,
+        default=str(DEFAULT_HOSTFILE),
+        help="DeepSpeed hostfile, a path or a shipped one's name (default: %(default)s)",
+    )
+    p.add_argument("--nproc", type=positive, help="processes per node (default: hostfile slots)")
+    p.add_argument("--master-port", type=positive, help="rendezvous port (default: a free one)")
+    p.add_argument(
+        "--max-restarts",
+        type=non_negative,
+        help="relaunch a stage whose rank died or timed out, from its newest complete"
+        " checkpoint, up to N times (default: wonderland.max_restarts, 0)",
+    )
+    p.add_argument(
+        "--exclude-failed-hosts",
+        action="store_true",
+        help="on a restart, leave out the hosts the failure named (DeepSpeed's --exclude);"
+        " the world shrinks and the resume goes through the universal path",
+    )
+    from wonderland_ds.launch.command import LAUNCHERS
+
+    p.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="pdsh",
+        help="DeepSpeed's multi-node launcher (default pdsh over ssh; openmpi: mpirun with"
+        " mpi4py discovery). One-host runs start locally whatever this says",
+    )
+    p.add_argument(
+        "--preload-launcher",
+        action="store_true",
+        help="start DeepSpeed's launcher while the preflight runs, so its import overlaps the"
+        " checks (pays on a CPU-only box, where that import is a good part of a launch; off by default)",
+    )
+
+
+def add_rerun_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rerun",
+        action="store_true",
+        help="train a completed stage again as a new attempt (its old folder is moved to"
+        " stageN.attemptK, recorded in run.json)",
+    )

@@ -1,0 +1,89 @@
+"""``wonderland pipeline``: stages in order (default 15 -> 17) through ``train``, skipping the
+ones already done in the run directory and running stale ones again."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from wonderland_ds.cli.common import Commands, add_launch_flags
+from wonderland_ds.cli.train import build_train_parser, cmd_train
+from wonderland_ds.config import shipped
+from wonderland_ds.core.findings import EXIT_OK, Refused
+from wonderland_ds.launch.flags import DEFAULT_CONFIG
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from wonderland_ds.config import stages
+    from wonderland_ds.run import liveness as runstate
+    from wonderland_ds.run import manifest
+
+    if args.to < args.from_:
+        raise Refused(f"--to {args.to} is before --from {args.from_}", "use --from <= --to")
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    rc = EXIT_OK
+    for n in range(args.from_, args.to + 1):
+        data = manifest.read(run_dir) or {}
+        state = runstate.true_states(run_dir, data).get(str(n), {})
+        if state.get("state") == "done":
+            print(f"stage {n}: already done in {run_dir}, skipped")
+            continue
+        rerun = state.get("state") == "stale"
+        if rerun:
+            print(f"stage {n}: stale ({state['stale_because']}): running it again")
+        st = stages.get(n)
+        has_own = (run_dir / f"stage{n}" / "checkpoints").is_dir() and not rerun
+        resume = "auto" if (st.resumes or has_own) else None
+        argv = [
+            "--stage",
+            str(n),
+            "--config",
+            args.config,
+            "--run-dir",
+            str(run_dir),
+            "--hostfile",
+            args.hostfile,
+        ]
+        if resume:
+            argv += ["--resume", resume]
+        if stages.get(n).preflight:
+            argv += ["--optimizer-state", "--scheduler-state"]
+        if args.nproc:
+            argv += ["--nproc", str(args.nproc)]
+        for flag in ("master_port", "max_restarts"):
+            if getattr(args, flag) is not None:
+                argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if args.exclude_failed_hosts:
+            argv.append("--exclude-failed-hosts")
+        if rerun:
+            argv.append("--rerun")
+        argv += ["--launcher", args.launcher]
+        if args.preload_launcher:
+            argv.append("--preload-launcher")
+        print(f"== stage {n}: {st.name}", flush=True)
+        sub = build_train_parser()
+        stage_args = sub.parse_args(argv)
+        stage_args.invoked = getattr(args, "invoked", None)
+        rc = cmd_train(stage_args)
+        if rc != EXIT_OK:
+            print(f"pipeline stopped at stage {n} (exit {rc})", file=sys.stderr)
+            break
+    print(run_dir.resolve())
+    return rc
+
+
+def add_parser(sub: Commands) -> None:
+    p = sub.add_parser("pipeline", help="run stages in order (default 15 -> 17)")
+    p.add_argument("--from", dest="from_", type=int, default=15, choices=range(1, 19), metavar="N")
+    p.add_argument("--to", type=int, default=17, choices=range(1, 19), metavar="N")
+    p.add_argument("--run-dir")
+    p.add_argument(
+        "--config",
+        type=shipped.config_path,
+        default=str(DEFAULT_CONFIG),
+        help="DeepSpeed JSON config, a path or a shipped config's name (default: %(default)s)",
+    )
+    add_launch_flags(p)
+    p.set_defaults(func=cmd_pipeline)

@@ -1,0 +1,253 @@
+"""``wonderland train``: one stage, validated and preflighted in this process, then handed to
+DeepSpeed's own launcher (which runs ``python -m wonderland_ds.train`` on every rank). A
+refusal here means nothing was launched or written; a failed launch may restart the stage."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wonderland_ds.cli.attempts import continue_hint, failed_hosts, move_attempt_aside, refuse_rerun
+from wonderland_ds.cli.common import Commands, add_launch_flags, add_rerun_flag, hostfile_or_refuse
+from wonderland_ds.core.findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, render
+from wonderland_ds.launch.flags import add_stage_flags
+
+if TYPE_CHECKING:  # imported where used: the plan module brings pydantic and the config models
+    from wonderland_ds.launch.plan import StagePlan
+
+#: What a launch runs: (command, environment, notes for the user) for a stage's flags.
+CommandFor = Callable[[argparse.Namespace], tuple[list[str], dict[str, str], list[str]]]
+
+
+def _dry_run(
+    args: argparse.Namespace,
+    run_dir: Path,
+    world: int,
+    cmd: list[str],
+    decided: StagePlan,
+    notes: list[str],
+) -> int:
+    plan = decided.preflight
+    report = {
+        "run_dir": str(run_dir),
+        "world_size": world,
+        "command": cmd,
+        "deepspeed_config": decided.ds_dict,
+        "preflight": plan.to_dict(),
+        "notes": notes,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("resolved DeepSpeed config:")
+        print(json.dumps(decided.ds_dict, indent=2))
+        print("preflight:")
+        render(plan.findings, False)
+        print("launch command:\n  " + shlex.join(cmd))
+        for note in notes:
+            print(f"note: {note}")
+        print("dry run: nothing launched")
+    return EXIT_OK
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from wonderland_ds.checkpoint import contract as ck
+    from wonderland_ds.launch import command as launch
+    from wonderland_ds.launch.plan import StageOptions
+    from wonderland_ds.launch.stage import plan_stage, resolve_run_dir
+    from wonderland_ds.run import manifest
+
+    hf = hostfile_or_refuse(args.hostfile)
+    run_dir = resolve_run_dir(args)
+    refuse_rerun(args, run_dir)
+    exclude: list[str] = []
+
+    def world_of() -> int:
+        hosts = {h: n for h, n in hf.hosts.items() if h not in exclude}
+        return args.nproc * len(hosts) if args.nproc else sum(hosts.values())
+
+    def command(a: argparse.Namespace) -> tuple[list[str], dict[str, str], list[str]]:
+        # The ranks' flags, from the same options the plan records (paths made absolute).
+        argv = StageOptions.from_args(a, run_dir.resolve()).argv()
+        return launch.build(hf, a.nproc, argv, run_dir, a.master_port, a.launcher, exclude)
+
+    if args.dry_run:
+        cmd, _, notes = command(args)
+        world = world_of()
+        return _dry_run(args, run_dir, world, cmd, plan_stage(args, world, run_dir)[0], notes)
+    restarts: list[dict] = []
+    attempt_args = args
+    started = time.time()
+    port_retries = 0
+    while True:
+        rc, settings, port_taken = _launch_once(attempt_args, run_dir, world_of(), command, started)
+        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
+            break
+        if port_taken and args.master_port is None and port_retries < 2:
+            # The automatically chosen port was taken between its choice and the rendezvous:
+            # not the stage's fault, not a restart; another port.
+            port_retries += 1
+            print(f"stage {args.stage}: the chosen port was taken; launching again on another")
+            started = time.time()
+            continue
+        allowed = args.max_restarts if args.max_restarts is not None else settings.max_restarts
+        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+        cause = str(entry.get("error") or f"the deepspeed launcher exited with {rc}")
+        if len(restarts) >= allowed:
+            if restarts:
+                print(
+                    f"stage {args.stage} failed after {len(restarts)} restart(s) (--max-restarts"
+                    f" {allowed}): exit code {rc}; {cause}",
+                    file=sys.stderr,
+                )
+            break
+        newest = ck.newest_complete(run_dir / f"stage{args.stage}" / "checkpoints", deep=False)
+        since = newest.tag_dir.stat().st_mtime if newest else started
+        failed = failed_hosts(entry)
+        if args.exclude_failed_hosts and failed and len(hf.hosts) > 1:
+            exclude[:] = sorted(set(exclude) | set(failed))
+        restarts.append(
+            {
+                "attempt": len(restarts) + 1,
+                "cause": cause[:500],
+                "exit_code": rc,
+                "rank": entry.get("failed_rank"),
+                "host": failed[0] if failed else None,
+                "excluded_hosts": list(exclude),
+                "resumed_from_step": ck.step_of(newest.tag_dir.name) if newest else None,
+                "seconds_lost": round(max(0.0, time.time() - since), 1),
+                "at": manifest.now(),
+            }
+        )
+        backoff = min(300.0, settings.restart_backoff_s * 2 ** (len(restarts) - 1))
+        manifest.update_stage(run_dir, args.stage, status="restarting", restarts=restarts)
+        where = f"from {newest.tag_dir}" if newest else "from where it started"
+        print(
+            f"stage {args.stage}: restart {len(restarts)} of {allowed} in {backoff:.0f} s,"
+            f" {where} (cause: {cause[:200]})",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(backoff)
+        attempt_args = copy.copy(args)
+        attempt_args.rerun = False  # a restart continues this attempt
+        if newest is not None:
+            attempt_args.resume = "auto"
+        started = time.time()
+    return rc
+
+
+def _launch_once(
+    args: argparse.Namespace, run_dir: Path, world: int, command: CommandFor, started: float
+) -> tuple[int, Any, bool]:
+    """One launch of the stage: preflight here (a refusal raises), then DeepSpeed's
+    launcher. (exit code, the stage's settings, whether no rank started on a taken port)."""
+    from wonderland_ds.launch import command as launch
+    from wonderland_ds.launch import plan as plan_mod
+    from wonderland_ds.launch import stage
+    from wonderland_ds.run import liveness as runstate
+    from wonderland_ds.run import manifest
+
+    cmd, env, notes = command(args)
+    receipt = run_dir / f".verified-stage{args.stage}.json"
+    cmd += ["--verified", str(receipt.resolve())]
+    # With --preload-launcher, DeepSpeed's launcher imports itself while the preflight below
+    # runs; it launches nothing until released, and is killed if the preflight refuses.
+    early = launch.Launch(cmd, env, preload=getattr(args, "preload_launcher", False))
+    try:
+        if getattr(args, "rerun", False):
+            args.rerun_pending = True  # the preflight looks past the old attempt's folder
+        decided, _ = stage.plan_stage(args, world, run_dir)
+        settings = decided.settings
+        render(decided.preflight.findings, False)
+        if getattr(args, "rerun", False):
+            move_attempt_aside(run_dir, args.stage)
+            args.rerun, args.rerun_pending = False, False
+        run_dir.mkdir(parents=True, exist_ok=True)
+        notes += launch.write_env_file(run_dir, env)[1]
+        # Rank 0 takes this plan, and what was verified here, instead of deciding again: the
+        # checkpoint and data are read once (the plain `deepspeed ... train.py` path decides
+        # on rank 0).
+        plan_mod.write(receipt, decided, stage.receipt())
+        for note in notes:
+            print(f"note: {note}")
+        print("launch: " + shlex.join(cmd), flush=True)
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            status="running",
+            front={"pid": os.getpid(), "host": runstate.host(), "started": manifest.now()},
+        )
+    except BaseException:
+        early.cancel()
+        raise
+    rc = early.go()
+    port_taken = False
+    # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
+    # this launch is alive now, so its buffers (named by its port) can go.
+    from wonderland_ds.core.distributed import shm_buffers
+
+    port = cmd[cmd.index("--master_port") + 1]
+    for path in shm_buffers(port):
+        Path(path).unlink(missing_ok=True)
+    if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
+        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+        beats = runstate.heartbeats(run_dir / f"stage{args.stage}")
+        ranks_started = any(b.get("time", 0) >= started for b in beats)
+        taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
+        port_taken = bool(taken) and not ranks_started
+        if entry.get("status") == "running" and not entry.get("error"):
+            # Rank 0 records every failure it lives through (a timeout with the ranks that
+            # stopped answering): when it recorded none, rank 0 itself died or hung.
+            why = (
+                "rank 0 recorded no failure: rank 0 itself died or hung"
+                if ranks_started
+                else f"no rank started{taken or ' (see the output above)'}"
+            )
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status="failed",
+                finished=manifest.now(),
+                exit_code=rc,
+                error=f"launcher exit code {rc}; {why}",
+            )
+        else:
+            why = f"rank 0 reported: {entry.get('error') or 'no error text'}"
+            manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
+        print(
+            f"stage {args.stage} failed: the deepspeed launcher exited with {rc}; {why}"
+            f" (each rank's output is above). Continue with: {continue_hint(args, run_dir)}",
+            file=sys.stderr,
+        )
+    return rc, settings, port_taken
+
+
+def _train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_stage_flags(p)
+    add_launch_flags(p)
+    add_rerun_flag(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, launch command and preflight; launch nothing",
+    )
+    return p
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    """``train``'s flags alone: ``pipeline`` and ``eval`` run their stages through it."""
+    return _train_flags(argparse.ArgumentParser(prog="wonderland train"))
+
+
+def add_parser(sub: Commands) -> None:
+    p = sub.add_parser("train", help="run one stage through the deepspeed launcher")
+    _train_flags(p).set_defaults(func=cmd_train)

@@ -1,0 +1,170 @@
+"""Run one stage on this rank: load config, take the stage's plan, build, restore, fit or
+evaluate.
+
+All ranks take the same decisions: rank 0 takes the plan the front process decided (or, on
+the plain ``deepspeed ... train.py`` path, runs the preflight itself) and broadcasts it; a
+refusal exits 2 on every rank before anything is written. torch is imported (through
+``distributed``) only inside :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from wonderland_ds.config import stages
+from wonderland_ds.core.distributed import log
+from wonderland_ds.core.findings import Finding, Refused, render
+from wonderland_ds.data import tasks
+from wonderland_ds.launch.flags import overrides
+from wonderland_ds.launch.plan import StagePlan
+from wonderland_ds.launch.stage import (
+    _task_data,
+    from_front,
+    load_config,
+    plan_stage,
+    resolve_run_dir,
+)
+from wonderland_ds.run import manifest
+from wonderland_ds.run.liveness import Heartbeat
+from wonderland_ds.training import faults, startup
+
+
+def run(args: argparse.Namespace) -> int:
+    """The per-rank body of ``train.py`` (distributed is initialised inside)."""
+    from wonderland_ds.core import distributed as dist
+
+    # A config refusal is the same on every rank: decide before starting the process group.
+    _, _, settings = load_config(args.config, args.stage, None)
+    dist.init(settings.process_group_timeout_s)
+    startup.freeze_imports()  # torch and DeepSpeed are in: out of the collector's sight
+    world = dist.world_size()
+    run_dir: Path = dist.broadcast(resolve_run_dir(args) if dist.is_main() else Path())
+    decided: StagePlan | None = None
+    task: tasks.Task | None = None
+    refusal: list[Finding] | None = None
+    if dist.is_main():
+        try:
+            # The front's plan for this launch, else (the plain deepspeed path) decided here.
+            got = from_front(getattr(args, "verified", None), args, world, run_dir)
+            decided, task = got or plan_stage(args, world, run_dir)
+        except Refused as exc:
+            refusal = exc.findings
+    refusal = dist.broadcast(refusal)
+    if refusal:
+        raise Refused(refusal)
+    decided = dist.broadcast(decided)
+    assert decided is not None
+    args = decided.options.namespace(json=args.json)
+    if task is None:  # the other ranks: only the data, the preflight is rank 0's
+        task = _task_data(args, decided.settings, run_dir, check_stale=False)[0]
+    plan = decided.preflight
+    ranks = dist.gather_all(dist.rank_info())
+    dist.HOSTS[:] = [r["host"] for r in ranks]
+    if dist.is_main():
+        render(plan.findings, args.json)
+    st = stages.get(args.stage)
+    stage_dir = run_dir / f"stage{args.stage}"
+    fault = faults.parse(args.fault)
+    fault.remember(stage_dir / "faults")  # a one-shot fault acts once per stage, restarts too
+    heartbeat = Heartbeat(stage_dir, dist.rank()).start()
+    inputs = decided.inputs(task, heartbeat)
+    if dist.is_main():
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        (stage_dir / "preflight.json").write_text(json.dumps(plan.to_dict(), indent=2))
+        (stage_dir / "ds_config.json").write_text(json.dumps(decided.ds_dict, indent=2))
+        (stage_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            name=st.name,
+            status="running",
+            started=manifest.now(),
+            config=str(Path(args.config).resolve()),
+            world_size=world,
+            seed=decided.seed,
+            resumed_from=str(plan.source) if plan.source else None,
+            # Lineage: the checkpoint this stage's attempt started from, kept across the
+            # resumes of its own checkpoints (status compares it with its source's newest).
+            **({} if plan.continuing else _lineage(plan.source)),
+            overrides=sorted(overrides(args)),
+            finished=None,
+            grad_acc=decided.ds_dict["gradient_accumulation_steps"],
+            argv=decided.options.argv(),
+        )
+    try:
+        if st.kind == "train":
+            from wonderland_ds.training.stage import train
+
+            result = train(args, run_dir, inputs, plan, fault)
+        elif st.kind == "eval":
+            from wonderland_ds.eval.evaluate import run_eval
+
+            startup.release()  # an evaluation has no training loop to do it (train.py)
+
+            result = run_eval(args, run_dir, inputs, plan)
+        else:
+            from wonderland_ds.eval.export import run_export
+
+            startup.release()
+
+            result = run_export(args, run_dir, inputs, plan)
+    except BaseException as exc:
+        heartbeat.stop()
+        # A collective timeout names no peer: find out which ranks stopped answering.
+        hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
+        if hung:
+            print(f"[wonderland] {hung}", file=sys.stderr, flush=True)
+        if dist.is_main():
+            stopped = type(exc).__name__ == "GuardStop"
+            status = (
+                ("gate-failed" if st.kind == "eval" else "guard-stopped") if stopped else ("failed")
+            )
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status=status,
+                finished=manifest.now(),
+                error=(hung or str(exc))[:500],
+                failed_hosts=_named_hosts(hung),
+            )
+        raise
+    heartbeat.stop()
+    if dist.is_main():
+        output = result.get("checkpoint") if st.kind == "train" else None
+        manifest.update_stage(
+            run_dir,
+            args.stage,
+            status="ok",
+            finished=manifest.now(),
+            output_checkpoint=output,
+            **result,
+        )
+        log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
+    return 0
+
+
+def _lineage(source: Path | None) -> dict[str, Any]:
+    """The checkpoint a stage's attempt starts from, and its identity: the digest of its
+    metadata, which a later save to the same path (a rerun reaching the same step) changes."""
+    from wonderland_ds.run.liveness import checkpoint_id
+
+    if source is None:
+        return {"input_checkpoint": None, "input_checkpoint_id": None}
+    return {"input_checkpoint": str(source), "input_checkpoint_id": checkpoint_id(source)}
+
+
+def _named_hosts(hung: str | None) -> list[str]:
+    """The hosts a timeout explanation names as not answering (``--exclude-failed-hosts``)."""
+    import re
+
+    if not hung:
+        return []
+    if "does not answer" in hung:  # rank 0 on HOST holds the store
+        found = re.findall(r"rank 0 on (\S+) ", hung)
+    else:
+        found = re.findall(r"\d+ \(([^)]+)\)", hung)
+    return sorted(set(found))
