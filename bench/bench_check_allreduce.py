@@ -1,4 +1,4 @@
-"""What the guards' check all-reduce costs the loop, blocking against overlapped (issue 7).
+"""What the guards' check all-reduce costs the loop, blocking against overlapped.
 
 The check sums a few hundred bytes across ranks every ``guards.check_interval`` steps. This
 times that collective through the same helpers engine.fit uses, between two gloo ranks, with

@@ -1,4 +1,4 @@
-"""Cached loader vs a plain torch DataLoader over one file per sample (issue 4).
+"""Cached loader vs a plain torch DataLoader over one file per sample.
 
     python bench/bench_loader.py [--task digits|pylm] [--reps 5] [--stage-run]
 
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from wonderland_ds.data import cache, tasks  # noqa: E402
+from wonderland_ds.data import builtin, cache  # noqa: E402
 from wonderland_ds.data.sampler import GlobalSampler, Prefetcher  # noqa: E402
 
 
@@ -104,11 +104,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8192)
     ap.add_argument("--stage-run", action="store_true")
     args = ap.parse_args()
-    raw = tasks.load(args.task).materialize()
+    raw = builtin.load(args.task).materialize()
     work = Path(tempfile.mkdtemp())
     try:
         cache.write(raw, work / "cache")
-        task = cache.open_task(tasks.load(args.task), work / "cache")
+        task = cache.open_task(builtin.load(args.task), work / "cache")
         files = work / "files"
         files.mkdir()
         for i in range(len(raw.train)):

@@ -1,4 +1,4 @@
-"""Resume benchmark (issue 7 item 3): seconds from launch to the end of the first training step.
+"""Resume benchmark: seconds from launch to the end of the first training step.
 
     .venv/bin/python bench/bench_resume.py --reps 3 --out resume.json
 

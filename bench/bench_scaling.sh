@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Scaling of cost with work (issue 7 item 4): step time and checkpoint save time of the byte-level
+# Scaling of cost with work: step time and checkpoint save time of the byte-level
 # GPT for model sizes spanning 28x (0.9M -> 25.5M parameters, 2 ranks), and for 1 -> 2 -> 3
 # ranks at 10.9M parameters; then bench/plot_scaling.py draws bench/scaling.png.
 #   bash bench/bench_scaling.sh [OUT_DIR]        (about 12 minutes on 2 cores)

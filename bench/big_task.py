@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 
-from wonderland_ds.data import tasks
+from wonderland_ds.data import builtin, tasks
 
 
 def pylm() -> tasks.Task:
     dim = int(os.environ.get("WL_BENCH_DIM", "512"))
     layers = int(os.environ.get("WL_BENCH_LAYERS", "8"))
-    return tasks.pylm(dim, layers)
+    return builtin.pylm(dim, layers)

@@ -35,7 +35,7 @@ def main() -> None:
     import torch
 
     from bench.big_task import pylm
-    from wonderland_ds.data.tasks import PYLM_CONTEXT
+    from wonderland_ds.data.builtin import PYLM_CONTEXT
 
     config = json.loads(Path(args.config).read_text())
     config.pop("wonderland", None)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/plot_scaling.py RESULTS_DIR bench/scaling.png
 
-Prints the table BENCHMARKS.md quotes (medians over repetitions of each run's mean step time).
+Prints the table docs/performance.md quotes (medians over repetitions of each run's mean step time).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the engine benchmarks and prints their JSON; BENCHMARKS.md quotes the output.
+# Runs the engine benchmarks and prints their JSON; docs/performance.md quotes the output.
 #   bash bench/run_benchmarks.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."

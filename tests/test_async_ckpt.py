@@ -122,8 +122,8 @@ def test_trim_keeps_buffers_this_saves_finished_files_gave_back():
 def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):
     import numpy as np
 
-    from wonderland_ds.checkpoint import async_save as async_ckpt
     from wonderland_ds.checkpoint import contract as ck
+    from wonderland_ds.checkpoint import markers
 
     root = tmp_path / "checkpoints"
     tag_dir = root / ck.tag_for(5)
@@ -133,8 +133,8 @@ def test_markers_carry_each_ranks_rng_states_into_the_rng_file(tmp_path):
     for rank in range(2):
         torch.manual_seed(rank)
         np.random.seed(100 + rank)
-        states.append(async_ckpt.rng_states())
-        async_ckpt.mark_done(tag_dir, rank, states[-1])
+        states.append(markers.rng_states())
+        markers.mark_done(tag_dir, rank, states[-1])
     ck.finalize(root, tag_dir, 2, {"global_step": 5, "stage": 15}, 1, 5.0)
     saved = torch.load(tag_dir / ck.RNG_FILE, weights_only=True)["ranks"]  # tensors only
     for rank in range(2):

@@ -10,12 +10,12 @@ import pytest
 
 from wonderland_ds.cli import main as cli
 from wonderland_ds.core.findings import Refused
-from wonderland_ds.data import cache, tasks
+from wonderland_ds.data import builtin, cache, tasks
 
 
 @pytest.fixture(scope="module")
 def digits_task():
-    return tasks.digits().materialize()
+    return builtin.digits().materialize()
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def built(tmp_path, digits_task) -> Path:
 
 
 def test_write_then_open_round_trips_memory_mapped(built, digits_task):
-    opened = cache.open_task(tasks.digits(), built)
+    opened = cache.open_task(builtin.digits(), built)
     assert isinstance(opened.train.x, np.memmap)
     assert np.array_equal(opened.train.x, digits_task.train.x)
     assert np.array_equal(opened.heldout.y, digits_task.heldout.y)
@@ -44,7 +44,7 @@ def test_writing_the_same_dataset_again_is_a_no_op(built, digits_task):
 
 
 def test_a_different_dataset_is_refused_not_overwritten(built):
-    other = tasks.digits(minority=(1,)).materialize()
+    other = builtin.digits(minority=(1,)).materialize()
     with pytest.raises(Refused, match="already holds a different dataset"):
         cache.write(other, built)
 
@@ -69,7 +69,7 @@ def test_damaged_shard_is_refused_naming_it(built, damage):
     else:
         shard.unlink()
     with pytest.raises(Refused) as exc:
-        cache.open_task(tasks.digits(), built)
+        cache.open_task(builtin.digits(), built)
     (finding,) = exc.value.findings
     assert finding.rule == "cache-shard" and finding.file == str(shard)
     assert {"flip": "sha256", "truncate": "truncated", "missing": "missing"}[damage] in (
@@ -102,11 +102,11 @@ def test_cache_cli_exit_codes(tmp_path, capsys):
 
 
 def test_pylm_task_from_the_standard_library(tmp_path):
-    task = tasks.pylm().materialize()
+    task = builtin.pylm().materialize()
     assert task.train.x.shape[1] == 128 and task.train.x.dtype == np.int64
     assert np.array_equal(task.train.x[:, 1:], task.train.y[:, :-1])  # next-byte targets
     assert len(task.meta["heldout_sources"]) == len(task.heldout)
-    opened = cache.open_task(tasks.pylm(), cache.write(task, tmp_path / "lm") and tmp_path / "lm")
+    opened = cache.open_task(builtin.pylm(), cache.write(task, tmp_path / "lm") and tmp_path / "lm")
     assert opened.meta["heldout_sources"][:3] == task.meta["heldout_sources"][:3]
 
 
@@ -114,8 +114,8 @@ def test_pylm_source_key_covers_every_file_the_data_is_read_from(monkeypatch):
     read: list[Path] = []
     real = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self) or real(self))
-    tasks._pylm_splits({})
-    assert read == tasks._pylm_used_files() and len(read) > 50
+    builtin._pylm_splits({})
+    assert read == builtin._pylm_used_files() and len(read) > 50
 
 
 def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_path, monkeypatch):
@@ -126,7 +126,7 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
     from wonderland_ds.config.settings import WonderlandSettings
     from wonderland_ds.launch import stage
 
-    base = tasks.digits().materialize()
+    base = builtin.digits().materialize()
     state = {"key": "v1", "builds": 0, "flip": False}
 
     def splits():
@@ -143,7 +143,7 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
             make_splits=tasks.Source(splits, lambda: state["key"]),
         )
 
-    monkeypatch.setitem(tasks.BUILTIN, "counting", factory)
+    monkeypatch.setitem(builtin.BUILTIN, "counting", factory)
     monkeypatch.setattr(stage, "_FRESH_CACHES", set())
     args, settings = argparse.Namespace(task="counting"), WonderlandSettings()
     cache_dir = tmp_path / "run" / "cache" / "counting"
@@ -167,7 +167,7 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
 def test_a_task_that_replaces_a_builtin_source_loses_its_key():
     import dataclasses
 
-    task = tasks.digits()
+    task = builtin.digits()
     assert task.source_key is not None
     mine = dataclasses.replace(task, make_splits=lambda: task.make_splits())
     assert mine.source_key is None  # its data is checked the full way

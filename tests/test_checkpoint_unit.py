@@ -21,8 +21,8 @@ def fake(root: Path, step: int, complete: bool = True) -> Path:
 def test_complete_checkpoint_verifies(tmp_path):
     tag = fake(tmp_path, 10)
     v = ck.verify(tag)
-    assert v.complete and v.findings == [] and v.meta["global_step"] == 10
-    assert set(v.meta["files"]) == {
+    assert v.complete and v.findings == [] and v.meta.global_step == 10
+    assert set(v.meta.files) == {
         "mp_rank_00_model_states.pt",
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
     }

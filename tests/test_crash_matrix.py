@@ -1,4 +1,4 @@
-"""Killed during a checkpoint save, at every point of the save protocol (issue 8, rows 2/6).
+"""Killed during a checkpoint save, at every point of the save protocol.
 
 Each point is a real SIGKILL of a forked process that runs the production save protocol
 (async_ckpt.Writer for each rank's shards, the ``.done-rankR`` markers, checkpoint.finalize,
@@ -17,6 +17,7 @@ import torch
 
 from wonderland_ds.checkpoint import async_save as async_ckpt
 from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.checkpoint import markers
 from wonderland_ds.checkpoint.describe import safe_load
 
 WORLD, FILES_PER_RANK = 2, 4
@@ -34,7 +35,7 @@ def save(root: Path, step: int, hook) -> None:
                 str(tag_dir / f"zero_pp_rank_{rank}_shard{i}.pt"),
                 True,
             )
-        w.submit(lambda rank=rank: async_ckpt.mark_done(tag_dir, rank, async_ckpt.rng_states()))
+        w.submit(lambda rank=rank: markers.mark_done(tag_dir, rank, markers.rng_states()))
     meta = {"global_step": step, "stage": 15}
     writers[0].submit(
         lambda: ck.finalize(root, tag_dir, WORLD, meta, keep_last=1, timeout_s=30, hook=hook)
@@ -88,7 +89,7 @@ def test_every_kill_point_leaves_latest_on_a_complete_checkpoint(tmp_path):
         assert latest in ("global_step10", "global_step20"), (k, latest)
         v = ck.verify(root / latest)
         assert v.complete, (k, v.findings)
-        for name in v.meta["files"]:  # every file loads (the RNG file has numpy arrays)
+        for name in v.meta.files:  # every file loads (the RNG file has numpy arrays)
             obj, why = safe_load(root / latest / name)
             assert obj is not None, (k, name, why)
         # latest may lag the newest complete checkpoint (killed between the metadata and

@@ -1,4 +1,4 @@
-"""Stage 17, the final evaluation sweep (issue 6, "what must be shown").
+"""Stage 17, the final evaluation sweep.
 
 One stage-15 run (100 steps: long enough that the minority classes 3 and 8 are learned) is
 copied and continued twice: a healthy stage 16, and a broken one whose training data lost
@@ -96,7 +96,7 @@ def broken(stage15, tmp_path_factory) -> SimpleNamespace:
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 367, 1000])
 def test_shards_count_every_sample_once_in_the_same_blocks(n):
-    from wonderland_ds.eval.evaluate import shard
+    from wonderland_ds.eval.sweep import shard
 
     blocks = {}
     for world in (1, 2, 3, 4):
@@ -112,7 +112,7 @@ def _metrics(recalls: list[float]) -> dict:
 
 
 def test_gate_names_dropped_and_collapsed_classes():
-    from wonderland_ds.data.tasks import digits
+    from wonderland_ds.data.builtin import digits
     from wonderland_ds.eval.evaluate import gate
 
     task = digits()
@@ -245,7 +245,7 @@ def test_broken_stage16_fails_the_gate_naming_the_minority_classes(broken):
 @pytest.mark.slow
 @pytest.mark.nightly
 def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
-    from wonderland_ds.data import tasks
+    from wonderland_ds.data import builtin
     from wonderland_ds.eval import evaluate
 
     two = json.loads((healthy.out / "report.json").read_text())  # 2 ranks
@@ -257,7 +257,7 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
     meta = [json.loads((b / "wonderland_meta.json").read_text())["files"] for b in (base2, base3)]
     assert meta[0] == meta[1]
 
-    task = tasks.load("digits").materialize()
+    task = builtin.load("digits").materialize()
 
     def single(ckpt: str) -> dict:
         return evaluate.metrics(task, evaluate.gathered_predictions(task, Path(ckpt)))
@@ -272,7 +272,7 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
 def test_lm_metrics_per_source_and_gate():
     import math
 
-    from wonderland_ds.eval.evaluate import lm_gate, lm_metrics
+    from wonderland_ds.eval.lm_eval import lm_gate, lm_metrics
 
     totals = {"os": (128 * 5.0, 256), "json": (128 * 4.0, 128)}  # (summed loss, tokens)
     m = lm_metrics(totals)

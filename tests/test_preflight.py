@@ -1,4 +1,4 @@
-"""Stage-16 preflight refusals (issue 3, item 4): each exits 2, names the problem, and
+"""Stage-16 preflight refusals: each exits 2, names the problem, and
 writes nothing. Run in-process through `wonderland train`: the front refuses before launch."""
 
 from __future__ import annotations
@@ -225,6 +225,6 @@ def test_resume_auto_with_nothing_complete_never_starts_fresh(tmp_path):
 
 
 def _fingerprint() -> str:
-    from wonderland_ds.data.tasks import digits
+    from wonderland_ds.data.builtin import digits
 
     return digits().materialize().fingerprint

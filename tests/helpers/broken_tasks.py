@@ -7,7 +7,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from wonderland_ds.data.tasks import Split, Task, digits
+from wonderland_ds.data.builtin import digits
+from wonderland_ds.data.tasks import Split, Task
 
 
 def digits_without_minority() -> Task:

@@ -8,7 +8,7 @@ then waits for every rank's marker and only then hashes the files, writes the me
 replaces ``latest``: the crash-safety contract of checkpoint.py is unchanged, only the waiting
 moved off the training loop. The next save waits for the previous one (back-pressure).
 
-Three things keep the blocked window short (BENCHMARKS.md section 3):
+Three things keep the blocked window short:
 * most of the state is not copied on the loop's time. Parameters, fp32 master weights and
   optimizer moments change only in an optimizer step, so they are *held*: the writer thread
   reads them from the live tensors while the next step's forward and backward run, and the
@@ -26,9 +26,7 @@ Three things keep the blocked window short (BENCHMARKS.md section 3):
 
 from __future__ import annotations
 
-import base64
 import copy
-import json
 import os
 import queue
 import threading
@@ -36,10 +34,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from wonderland_ds.core import ds_internals
+
+if TYPE_CHECKING:
+    TorchCheckpointEngine = object
+else:
+    TorchCheckpointEngine = ds_internals.attr(
+        "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "TorchCheckpointEngine"
+    )
 
 
 class BufferPool:
@@ -143,7 +149,7 @@ def snapshot(
         return tuple(snapshot(v, *args) for v in obj)
     if isinstance(obj, (str, int, float, bool, type(None), torch.Size, torch.dtype)):
         # Immutable. torch.Size (DeepSpeed's param_shapes: one per parameter) through
-        # deepcopy cost 14 ms of a 63 ms save window (profiled, 25.5M GPT).
+        # deepcopy was a large share of the blocked save window.
         return obj
     return copy.deepcopy(obj)
 
@@ -394,75 +400,3 @@ def install(
         engine.checkpoint_engine, writer, lambda: step_only_storages(engine), copy_held
     )
     return writer
-
-
-def wait_for_markers(tag_dir: Path, world: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done = [r for r in range(world) if (tag_dir / f".done-rank{r}").exists()]
-        if len(done) == world:
-            return
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(world)) - set(done))
-            raise TimeoutError(
-                f"ranks {missing} did not finish writing {tag_dir.name} within {timeout_s:.0f} s"
-            )
-        time.sleep(0.02)
-
-
-def rng_states() -> dict[str, Any]:
-    """This process's RNG states (torch CPU, numpy, python), as saved in wonderland_rng.pt."""
-    import random
-
-    import numpy as np
-
-    return {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(legacy=True)[1].copy(),  # type: ignore[index]
-        "python": repr(random.getstate()),
-    }
-
-
-def _encode_rng(rng: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "torch": base64.b64encode(rng["torch"].numpy().tobytes()).decode(),
-        "numpy": [int(v) for v in rng["numpy"]],
-        "python": rng["python"],
-    }
-
-
-def _decode_rng(body: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
-
-    raw = bytearray(base64.b64decode(body["torch"]))
-    return {
-        "torch": torch.frombuffer(raw, dtype=torch.uint8).clone(),
-        # A uint32 tensor, not an ndarray: the file then loads with weights_only=True
-        # (an ndarray's dtype class is not on torch's allowlist).
-        "numpy": torch.from_numpy(np.asarray(body["numpy"], dtype=np.uint32)),
-        "python": body["python"],
-    }
-
-
-def mark_done(tag_dir: Path, rank: int, rng: dict[str, Any]) -> None:
-    """This rank's shards are durable: the marker (atomic, fsynced) carries its RNG states."""
-    marker = tag_dir / f".done-rank{rank}"
-    tmp = tag_dir / f".done-rank{rank}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(_encode_rng(rng), fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, marker)
-
-
-def read_markers(tag_dir: Path, world: int) -> list[dict[str, Any]]:
-    """Every rank's RNG states from its marker (after :func:`wait_for_markers`). A marker
-    without them fails the save (the RNG file is never written with a rank missing)."""
-    out = []
-    for r in range(world):
-        text = (tag_dir / f".done-rank{r}").read_text()
-        try:
-            out.append(_decode_rng(json.loads(text)))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise OSError(f"rank {r}'s marker in {tag_dir} holds no RNG states: {exc}") from None
-    return out

@@ -10,7 +10,7 @@ Layout of a stage's checkpoint root (``RUN/stageNN/checkpoints``)::
     latest                               names the newest COMPLETE tag; replaced atomically
 
 Why this order: DeepSpeed writes ``latest`` before its final barrier with a plain
-``open('w')`` (FACTS.md), so a crash can leave ``latest`` naming a half-written folder. Here
+``open('w')``, so a crash can leave ``latest`` naming a half-written folder. Here
 every rank finishes, a barrier passes, rank 0 fsyncs and hashes every file, writes the metadata
 through a temporary file and ``rename``, and only then replaces ``latest`` the same way.
 """
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from wonderland_ds.checkpoint import metadata
+from wonderland_ds.checkpoint.metadata import FORMAT, CheckpointMeta
 from wonderland_ds.core.files import (  # noqa: F401  (the contract's file primitives)
     atomic_write_text,
     export_hashes,
@@ -42,7 +44,6 @@ from wonderland_ds.core.findings import Finding
 META = "wonderland_meta.json"
 RNG_FILE = "wonderland_rng.pt"
 LATEST = "latest"
-FORMAT = "wonderland-ckpt/1"
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -81,16 +82,20 @@ def hash_files(tag_dir: Path) -> dict[str, dict[str, Any]]:
     return {f.relative_to(tag_dir).as_posix(): d for f, d in zip(names, done)}
 
 
-def write_meta(tag_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    meta = {
-        **meta,
-        "format": FORMAT,
-        "tag": tag_dir.name,
-        "files": hash_files(tag_dir),
-        "completed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+def write_meta(tag_dir: Path, fields: dict[str, Any]) -> CheckpointMeta:
+    """The checkpoint's metadata, written last: ``fields`` plus the format, the tag and the
+    size and sha256 of every file (fsynced first)."""
+    meta = metadata.build(
+        {
+            **fields,
+            "format": FORMAT,
+            "tag": tag_dir.name,
+            "files": hash_files(tag_dir),
+            "completed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+    )
     fsync_dir(tag_dir)
-    atomic_write_text(tag_dir / META, json.dumps(meta, indent=2, sort_keys=True))
+    atomic_write_text(tag_dir / META, json.dumps(meta.fields(), indent=2, sort_keys=True))
     return meta
 
 
@@ -98,12 +103,13 @@ def set_latest(root: Path, tag: str) -> None:
     atomic_write_text(root / LATEST, tag)
 
 
-def read_meta(tag_dir: Path) -> dict[str, Any] | None:
+def read_meta(tag_dir: Path) -> CheckpointMeta | None:
+    """The metadata, or None when it is missing, unreadable or of another format."""
     try:
-        meta = json.loads((tag_dir / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text = (tag_dir / META).read_text(encoding="utf-8")
+    except OSError:
         return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+    return metadata.parse(text)
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,7 @@ class Verdict:
     tag_dir: Path
     complete: bool
     findings: list[Finding]
-    meta: dict[str, Any] | None
+    meta: CheckpointMeta | None
 
 
 def verify(tag_dir: Path, deep: bool = True) -> Verdict:
@@ -172,11 +178,11 @@ def verify(tag_dir: Path, deep: bool = True) -> Verdict:
             verified_sha256,
             [
                 tag_dir / rel
-                for rel, info in meta.get("files", {}).items()
-                if (tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == info["bytes"]
+                for rel, info in meta.files.items()
+                if (tag_dir / rel).is_file() and (tag_dir / rel).stat().st_size == info.bytes
             ],
         )
-    for rel, info in sorted(meta.get("files", {}).items()):
+    for rel, info in sorted(meta.files.items()):
         p = tag_dir / rel
         if not p.is_file():
             out.append(
@@ -189,30 +195,30 @@ def verify(tag_dir: Path, deep: bool = True) -> Verdict:
                     rel,
                 )
             )
-        elif p.stat().st_size != info["bytes"]:
+        elif p.stat().st_size != info.bytes:
             out.append(
                 Finding(
                     "ckpt-checksum",
                     "error",
-                    f"shard {rel} has {p.stat().st_size} bytes, the metadata says {info['bytes']}"
+                    f"shard {rel} has {p.stat().st_size} bytes, the metadata says {info.bytes}"
                     " (truncated or overwritten)",
                     "restore the file or resume from another checkpoint",
                     f,
                     rel,
                 )
             )
-        elif deep and verified_sha256(p) != info["sha256"]:
+        elif deep and verified_sha256(p) != info.sha256:
             out.append(
                 Finding(
                     "ckpt-checksum",
                     "error",
-                    f"shard {rel} fails its sha256 check (expected {info['sha256'][:16]}...)",
+                    f"shard {rel} fails its sha256 check (expected {info.sha256[:16]}...)",
                     "the file is corrupt: resume from another checkpoint",
                     f,
                     rel,
                 )
             )
-    if not meta.get("files"):
+    if not meta.files:
         out.append(
             Finding(
                 "ckpt-checksum",
@@ -273,7 +279,7 @@ def finalize(
     (fault injection, crash tests)."""
     import torch
 
-    from wonderland_ds.checkpoint.async_save import read_markers, wait_for_markers
+    from wonderland_ds.checkpoint.markers import read_markers, wait_for_markers
 
     wait_for_markers(tag_dir, world, timeout_s)
     hook("after-shards")

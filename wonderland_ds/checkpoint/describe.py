@@ -204,16 +204,15 @@ def describe(
     info["model_state_files"] = model_files
     info["optimizer_state_files"] = optim_files
     if verdict is not None and verdict.meta is not None:
-        meta = verdict.meta
-        info.update({k: v for k, v in meta.items() if k != "files"})
+        meta = verdict.meta.fields()
+        info.update(meta)
         info["written_by"] = "wonderland"
         info["complete"] = verdict.complete
-        info["files"] = meta.get("files", {})
         out += verdict.findings or [
             Finding(
                 "ckpt-checksum",
                 "ok",
-                f"{len(meta.get('files', {}))} file(s) verified (sha256)",
+                f"{len(meta['files'])} file(s) verified (sha256)",
                 "",
                 f,
             )

@@ -3,9 +3,8 @@
 The front process (``wonderland train``) checks a checkpoint before anything is launched. It
 needs the names of the globals each pickle would call (the same static scan as torch's
 ``get_unsafe_globals_in_checkpoint``) and the small values in the model-states file (scheduler
-state, DeepSpeed config, step counters). Importing torch for that cost 2 s of every launch
-(BENCHMARKS.md section 5), and ``torch.load`` read every tensor's bytes (51 MB for the 25.5M
-model) to look at a few integers. Here:
+state, DeepSpeed config, step counters). Importing torch for that would add seconds to every
+launch, and ``torch.load`` would read every tensor's bytes to look at a few integers. Here:
 
 * :func:`unsafe_globals` walks ``data.pkl`` opcode by opcode without running it, failing
   closed on any opcode torch's static reader does not accept;

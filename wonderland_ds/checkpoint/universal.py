@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.core import ds_internals
 from wonderland_ds.core.findings import Finding, Refused
 
 
@@ -39,14 +40,17 @@ def universal_tag(tag: str) -> str:
 def _source_digest(source: Path) -> str:
     meta = ck.read_meta(source)
     if meta is not None:
-        return ck.sha256_text(repr(sorted((k, v["sha256"]) for k, v in meta["files"].items())))
+        return ck.sha256_text(repr(sorted((k, v.sha256) for k, v in meta.files.items())))
     return ck.sha256_text(repr(sorted((p.name, p.stat().st_size) for p in source.glob("*.pt"))))
 
 
 #: The DeepSpeed release whose ``ds_to_universal`` internals the in-memory fragment store below
 #: was written against, tested (tests/test_universal_fast.py) and measured with
 #: (bench/bench_convert.py). Any other release runs the stock converter unchanged.
-FAST_PATH_DEEPSPEED = "0.19.8"
+FAST_PATH_DEEPSPEED = ds_internals.CHECKED_RELEASE
+D2U = "deepspeed.checkpoint.ds_to_universal"
+ZC = "deepspeed.checkpoint.zero_checkpoint"
+DSC = "deepspeed.checkpoint.deepspeed_checkpoint"
 
 _convert_lock = threading.Lock()  # the patches below are module-wide: one conversion at a time
 
@@ -128,9 +132,10 @@ def fast_path_unavailable() -> str | None:
     try:
         import deepspeed
         import torch
-        from deepspeed.checkpoint import deepspeed_checkpoint as dsc
-        from deepspeed.checkpoint import ds_to_universal as d2u
-        from deepspeed.checkpoint import zero_checkpoint as zc
+
+        dsc = ds_internals.module(DSC)
+        d2u = ds_internals.module(D2U)
+        zc = ds_internals.module(ZC)
     except ImportError as exc:
         return f"cannot import DeepSpeed's converter modules: {exc}"
     if deepspeed.__version__ != FAST_PATH_DEEPSPEED:
@@ -160,14 +165,11 @@ def in_memory_fragments(output_folder: str) -> Iterator[FragmentStore]:
     (what is cut, merged, concatenated, averaged, written) runs unchanged, and its final files
     are written to disk by its own ``torch.save``."""
     import torch
-    from deepspeed.checkpoint import deepspeed_checkpoint as dsc
-    from deepspeed.checkpoint import ds_to_universal as d2u
-    from deepspeed.checkpoint import zero_checkpoint as zc
 
     store = FragmentStore(output_folder)
     real_save, real_load, real_makedirs = torch.save, torch.load, os.makedirs
     mapped_load = _mmap_load(real_load)
-    real_aggregate = d2u._aggregate_autoep_zero12_metadata
+    real_aggregate = ds_internals.attr(D2U, "_aggregate_autoep_zero12_metadata")
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         if store.owns(f):
@@ -194,21 +196,17 @@ def in_memory_fragments(output_folder: str) -> Iterator[FragmentStore]:
         return out
 
     patches = [
-        (d2u, "torch", _ModuleView(torch, save=save, load=load)),
-        (d2u, "glob", _ModuleView(glob, glob=globber)),
-        (d2u, "os", _ModuleView(os, makedirs=makedirs)),
-        (d2u, "_aggregate_autoep_zero12_metadata", aggregate),
-        (zc, "torch", _ModuleView(torch, load=mapped_load)),
-        (dsc, "torch", _ModuleView(torch, load=mapped_load)),
+        (D2U, "torch", _ModuleView(torch, save=save, load=load)),
+        (D2U, "glob", _ModuleView(glob, glob=globber)),
+        (D2U, "os", _ModuleView(os, makedirs=makedirs)),
+        (D2U, "_aggregate_autoep_zero12_metadata", aggregate),
+        (ZC, "torch", _ModuleView(torch, load=mapped_load)),
+        (DSC, "torch", _ModuleView(torch, load=mapped_load)),
     ]
-    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:
-        for mod, name, value in patches:
-            setattr(mod, name, value)
-        yield store
+        with ds_internals.patched(patches):
+            yield store
     finally:
-        for mod, name, value in originals:
-            setattr(mod, name, value)
         store.objects.clear()
         store._by_stem.clear()
 
@@ -229,16 +227,16 @@ def converter_args(source: Path, out: Path) -> argparse.Namespace:
 
 def _run_ds_to_universal(source: Path, out: Path) -> tuple[str | None, dict[str, Any]]:
     """DeepSpeed's own converter, in this process with one worker: rank 0 has DeepSpeed
-    imported already (a separate ``python -m`` paid 2.3 s of imports and interpreter start on
-    a 5.5 s conversion, BENCHMARKS.md; 2 or 4 workers were no faster on 2 cores, and its
-    process pool must not be forked from a rank holding process-group threads).
+    imported already (a separate ``python -m`` pays the imports and an interpreter start again;
+    more workers were no faster, and its process pool must not be forked from a rank holding
+    process-group threads).
 
     Its intermediate fragments (one ``torch.save`` per parameter, state and rank, read back
     once to be concatenated) stay in memory when the installed DeepSpeed is the one the
     patch was written for and they fit in half the available memory; otherwise, or for an
     AutoEP checkpoint, the stock converter runs unchanged. Returns (None or what went wrong,
     how it ran: recorded in the conversion's metadata)."""
-    from deepspeed.checkpoint import ds_to_universal as d2u
+    d2u = ds_internals.module(D2U)
 
     args = converter_args(source, out)
     info: dict[str, Any] = {"converter": "deepspeed.checkpoint.ds_to_universal"}
@@ -291,7 +289,7 @@ def convert(source: Path, out_root: Path) -> tuple[Path, list[Finding]]:
     digest = _source_digest(source)
     if final.is_dir():
         v = ck.verify(final)
-        if v.complete and v.meta and v.meta.get("source_digest") == digest:
+        if v.complete and v.meta and v.meta.source_digest == digest:
             return final, [Finding("universal", "ok", f"reusing verified conversion {final}")]
         shutil.rmtree(final)
     out_root.mkdir(parents=True, exist_ok=True)
@@ -299,7 +297,7 @@ def convert(source: Path, out_root: Path) -> tuple[Path, list[Finding]]:
     shutil.rmtree(tmp, ignore_errors=True)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         # imported already on a rank; from the CLI, the ~2 s import is not the conversion's time
-        from deepspeed.checkpoint import ds_to_universal  # noqa: F401
+        ds_internals.module(D2U)
     t0 = time.perf_counter()
     failure, how = _run_ds_to_universal(source, tmp)
     seconds = time.perf_counter() - t0
@@ -316,8 +314,9 @@ def convert(source: Path, out_root: Path) -> tuple[Path, list[Finding]]:
                 str(source),
             )
         )
-    src_meta = ck.read_meta(source) or {}
-    meta = {k: v for k, v in src_meta.items() if k not in ("files", "format", "tag")}
+    src_meta = ck.read_meta(source)
+    meta = src_meta.fields() if src_meta else {}
+    meta = {k: v for k, v in meta.items() if k not in ("files", "format", "tag")}
     meta.update(
         {
             "universal": True,

@@ -15,7 +15,7 @@ from typing import Literal
 
 Severity = Literal["ok", "info", "warn", "error"]
 
-#: Exit codes (DESIGN.md): 0 success, 2 refused input, 3 a health guard stopped the run.
+#: Exit codes: 0 success, 2 refused input, 3 a health guard stopped the run.
 EXIT_OK = 0
 EXIT_REFUSED = 2
 EXIT_GUARD = 3

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from wonderland_ds.config.settings import HFModel, TokenFiles, WonderlandSettings
 from wonderland_ds.core.findings import Finding, Refused
-from wonderland_ds.data import tasks
+from wonderland_ds.data import builtin
 from wonderland_ds.data.tasks import Task
 from wonderland_ds.data.tokens import TokenData, expand, open_files, scan
 
@@ -144,9 +144,9 @@ def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
 
 
 def load_task(spec: str, settings: WonderlandSettings) -> Task:
-    """``causal-lm`` from the config's ``model`` and ``data``, else ``tasks.load(spec)``."""
+    """``causal-lm`` from the config's ``model`` and ``data``, else ``builtin.load(spec)``."""
     if spec != NAME:
-        return tasks.load(spec)
+        return builtin.load(spec)
     if settings.model is None or settings.data is None:  # the settings' validator says so too
         raise Refused(
             "task causal-lm needs the config's wonderland.model and wonderland.data",

@@ -253,8 +253,8 @@ class Prefetcher:
                 self.wait_s += took
                 self._probe_s.append(took / self._gas)
                 # The median, not the mean: the first reads of a process pay one-time costs
-                # (numpy and torch code paths run for the first time: 2-11 ms against 45 us
-                # later, measured on digits) that would hand a fast source to a thread for good.
+                # (numpy and torch code paths run for the first time, far slower than later
+                # reads) that would hand a fast source to a thread for good.
                 if (
                     self._next_step == self._probe
                     and sorted(self._probe_s)[self._probe // 2] > self._threshold

@@ -23,12 +23,13 @@ from typing import Any
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.data.tasks import Task
+from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
 
 def _hf_export(task: Task, state: dict[str, Any], folder: Path) -> None:
     from wonderland_ds.data.lm import TOKENIZER_FILES
-    from wonderland_ds.eval.evaluate import lm_eval_model
+    from wonderland_ds.eval.lm_eval import lm_eval_model
 
     assert task.hf_dir is not None
     model: Any = lm_eval_model(task, state)
@@ -43,7 +44,7 @@ def _hf_export(task: Task, state: dict[str, Any], folder: Path) -> None:
 def _plain_export(task: Task, state: dict[str, Any], folder: Path) -> None:
     from safetensors.torch import save_model
 
-    from wonderland_ds.eval.evaluate import lm_eval_model
+    from wonderland_ds.eval.lm_eval import lm_eval_model
 
     model = lm_eval_model(task, state)  # checks the names fit the task's model
     folder.mkdir(parents=True)
@@ -51,12 +52,12 @@ def _plain_export(task: Task, state: dict[str, Any], folder: Path) -> None:
 
 
 def run_export(
-    args: argparse.Namespace, run_dir: Path, decided: dict[str, Any], plan: Plan
+    args: argparse.Namespace, run_dir: Path, inputs: StageInputs, plan: Plan
 ) -> dict[str, Any]:
-    from wonderland_ds.eval.evaluate import consolidated_state
+    from wonderland_ds.eval.sweep import consolidated_state
 
     assert plan.source is not None
-    task: Task = decided["task"]
+    task = inputs.task
     out = run_dir / "stage18"
     hf = task.hf_dir is not None
     if dist.is_main():

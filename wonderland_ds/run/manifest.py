@@ -39,8 +39,8 @@ def _versions() -> tuple[tuple[str, str], ...]:
 
 
 def versions() -> dict[str, str]:
-    """Installed versions; read once per process (13 ms of package-metadata scanning that sat
-    inside every checkpoint save's blocked window)."""
+    """Installed versions; read once per process (package-metadata scanning would otherwise
+    sit inside every checkpoint save's blocked window)."""
     return dict(_versions())
 
 

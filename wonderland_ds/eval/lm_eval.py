@@ -1,0 +1,205 @@
+"""Stage 17 for language models: loss and perplexity per held-out text source, gated on a
+source's loss rise since stage 15."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.distributed import log
+from wonderland_ds.core.findings import Finding, GuardStop, Refused
+from wonderland_ds.data.tasks import Split, Task
+from wonderland_ds.eval.sweep import (
+    baseline,
+    consolidated_state,
+    heldout,
+    run_holding,
+)
+from wonderland_ds.run.inputs import StageInputs
+from wonderland_ds.run.preflight import Plan
+
+LM_BLOCK_TOKENS = 4096
+"""Language models: tokens per forward pass in stage 17 (a block is the unit dealt to ranks)."""
+
+
+class _Rows:
+    """Rows ``idx`` of a split as a dataset (one text source of an in-memory held-out set)."""
+
+    def __init__(self, split: Split, idx: np.ndarray) -> None:
+        self.split, self.idx = split, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def take(self, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        rows = self.idx[at]
+        return np.asarray(self.split.x[rows]), np.asarray(self.split.y[rows])
+
+
+def lm_sources(task: Task) -> dict[str, Any]:
+    """Stage 17's held-out sets by source: the task's token files, or an in-memory held-out
+    split cut by ``meta["heldout_sources"]``."""
+    if task.heldout_sources:
+        return dict(task.heldout_sources)
+    split = heldout(task)
+    assert isinstance(split, Split)
+    names = np.asarray(task.meta.get("heldout_sources") or ["all"] * len(split))
+    return {src: _Rows(split, np.flatnonzero(names == src)) for src in sorted(set(names.tolist()))}
+
+
+def lm_source_losses(task: Task, model: torch.nn.Module, data: Any) -> tuple[float, int]:
+    """(summed loss, targets) of one source: its blocks dealt round-robin to ranks, each
+    block one batch whatever the world size, summed in block order (so 1, 2 or 3 ranks give
+    the same numbers). The loss is the task's own, as in training."""
+    rows = max(1, LM_BLOCK_TOKENS // max(1, data_tokens(data)))
+    n = len(data)
+    starts = list(range(dist.rank() * rows, n, dist.world_size() * rows))
+    mine = []
+    with torch.no_grad():
+        for s in starts:
+            x, y = data.take(np.arange(s, min(s + rows, n)))
+            tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+            count = task.targets(ty)
+            loss = task.batch_loss(model, tx, ty) if count else torch.zeros(())
+            mine.append((s, float(loss.double()) * count, count))
+    blocks = sorted(b for part in dist.gather_all(mine) for b in part)
+    if [b[0] for b in blocks] != list(range(0, n, rows)):  # a sharding bug: fail loudly
+        raise RuntimeError("held-out blocks were not each evaluated exactly once")
+    return float(sum(b[1] for b in blocks)), int(sum(b[2] for b in blocks))
+
+
+def data_tokens(data: Any) -> int:
+    if isinstance(data, _Rows):
+        return data.split.tokens_per_sample
+    return int(data.tokens_per_sample)
+
+
+def lm_eval_model(task: Task, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = (task.build_empty_model or task.build_model)()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in _tied(model)]
+    if missing or unexpected:
+        raise Refused(
+            f"checkpoint does not fit the task's model: missing {missing[:3]},"
+            f" unexpected {unexpected[:3]}",
+            "evaluate with the task it was trained on",
+        )
+    return model.eval()
+
+
+def _tied(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier one (tied embeddings)."""
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    return tied
+
+
+def lm_metrics(totals: dict[str, tuple[float, int]]) -> dict[str, Any]:
+    """Loss, perplexity and tokens over all held-out text and per source."""
+    import math
+
+    def one(total: float, count: int) -> dict[str, Any]:
+        loss = total / max(count, 1)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": count}
+
+    per = [{"source": src, **one(*totals[src])} for src in totals]
+    return {
+        **one(sum(t for t, _ in totals.values()), sum(c for _, c in totals.values())),
+        "per_source": per,
+    }
+
+
+def lm_gate(new: dict[str, Any], base: dict[str, Any], rise: float) -> list[Finding]:
+    old = {row["source"]: row for row in base["per_source"]}
+    out = [
+        Finding(
+            "gate-loss-rise",
+            "error",
+            f"source {row['source']}: loss {old[row['source']]['loss']:.3f} ->"
+            f" {row['loss']:.3f} (+{row['loss'] / old[row['source']]['loss'] - 1:.0%} >"
+            f" {rise:.0%})",
+            "inspect stage 16's data and LR",
+            "",
+            row["source"],
+        )
+        for row in new["per_source"]
+        if old[row["source"]]["loss"] > 0 and row["loss"] > old[row["source"]]["loss"] * (1 + rise)
+    ]
+    return out or [Finding("gate", "ok", "no text source's loss rose beyond the margin")]
+
+
+def run_eval_lm(
+    args: argparse.Namespace, run_dir: Path, inputs: StageInputs, plan: Plan
+) -> dict[str, Any]:
+    task, settings = inputs.task, inputs.settings
+    assert plan.source is not None
+    home = run_holding(plan.source) or run_dir
+    base_dir = baseline(args, home)
+    sources = lm_sources(task)
+    result = {}
+    for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
+        model = lm_eval_model(task, consolidated_state(tag_dir))
+        totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
+        result[name] = lm_metrics(totals)
+        del model
+    verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)
+    failed = [f for f in verdict if f.severity == "error"]
+    report: dict[str, Any] = {
+        "checkpoint": str(plan.source),
+        "baseline": str(base_dir),
+        **result,
+        "gate": {
+            "verdict": "fail" if failed else "pass",
+            "lm_loss_rise": settings.eval.lm_loss_rise,
+            "findings": [f.to_dict() for f in verdict],
+        },
+        "plots": [],
+    }
+    out = Path(args.out) if getattr(args, "out", None) else run_dir / "stage17"
+    if dist.is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        lines = [
+            "# Stage 17: language-model sweep",
+            "",
+            f"Gate: **{report['gate']['verdict']}**",
+            "",
+            "| source | tokens | loss (15) | loss (16) | perplexity (16) |",
+            "|---|---|---|---|---|",
+        ]
+        old = {r["source"]: r for r in result["stage15"]["per_source"]}
+        for r in result["stage16"]["per_source"]:
+            lines.append(
+                f"| {r['source']} | {r['tokens']} | {old[r['source']]['loss']:.4f} |"
+                f" {r['loss']:.4f} | {r['perplexity']:.2f} |"
+            )
+        from wonderland_ds.eval.plots import lm_source_plot
+
+        report["plots"] = lm_source_plot(out, report)
+        lines += ["", *[f"![{name}]({name})" for name in report["plots"]]]
+        ck.atomic_write_text(out / "report.json", json.dumps(report, indent=2))
+        ck.atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
+        log(
+            f"stage 17 summary: loss {result['stage15']['loss']:.4f} ->"
+            f" {result['stage16']['loss']:.4f}, perplexity {result['stage16']['perplexity']:.2f}"
+            f" over {len(old)} text sources; gate {report['gate']['verdict']}"
+        )
+    dist.barrier()
+    if failed:
+        raise GuardStop(failed)
+    return {
+        "report": str(out / "report.json"),
+        "gate": "pass",
+        "loss": result["stage16"]["loss"],
+        "perplexity": result["stage16"]["perplexity"],
+    }
