@@ -12,6 +12,31 @@ CORPUS = REPO / "tests" / "corpus" / "public_ds_configs"
 TINY32 = str(REPO / "tests" / "configs" / "tiny_zero2_fp32.json")
 
 
+def gpu_skip_reason() -> str | None:
+    """Why the ``gpu`` tests cannot run here (None: a CUDA device is visible)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            f"needs a CUDA GPU: torch {torch.__version__} sees none"
+            f" (CUDA build: {torch.version.cuda or 'none'})"
+        )
+    if torch.cuda.device_count() < 1:
+        return "needs a CUDA GPU: no device is visible (CUDA_VISIBLE_DEVICES?)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip every ``gpu``-marked test, with the reason, on a machine without CUDA."""
+    marked = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not marked:
+        return  # torch is not imported for a run that selects no gpu test
+    reason = gpu_skip_reason()
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _clean_dev_shm():
     """Test helpers launch plain DeepSpeed too; DeepSpeed never removes its /dev/shm buffers."""

@@ -1,4 +1,4 @@
-"""Health guards on real gloo ranks (issue 5): every injected fault is detected, with its
+"""Health guards on real gloo ranks: every injected fault is detected, with its
 latency in steps; policies stop or roll back; a clean 2,000-step run raises no alarm."""
 
 from __future__ import annotations

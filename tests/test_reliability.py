@@ -1,4 +1,4 @@
-"""Issue 8's fault-injection matrix, rows 3, 5, 7, 8 and 9 (figures in RELIABILITY.md).
+"""The fault-injection matrix, rows 3, 5, 7, 8 and 9 (docs/reliability.md).
 
 Rows 1, 2, 4 and 6 (kills and disk-full during saves, retention) belong to the async-save
 work. Everything here goes through `wonderland train` as a user runs it: in-process through
@@ -31,7 +31,7 @@ from tests.test_check_configs import MALFORMED, mutate
 from tests.test_hostfile import BROKEN as BROKEN_HOSTFILES
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.cli import main as cli
-from wonderland_ds.cli.commands import build_train_parser
+from wonderland_ds.cli.train import build_train_parser
 from wonderland_ds.launch.flags import overrides
 from wonderland_ds.run import manifest
 
@@ -567,7 +567,7 @@ def test_damaged_checkpoints_are_refused_by_train(capsys, src, tmp_path, name):
 
 
 def test_sweep_counts():
-    """The counts RELIABILITY.md reports for row 7."""
+    """The counts docs/reliability.md reports for row 7."""
     n_configs = len(CONFIG_CASES) + len(WONDERLAND_CASES) + len(MALFORMED) + 2
     assert n_configs >= 50 and len(BROKEN_HOSTFILES) >= 10 and len(DAMAGED) >= 10
     print(
