@@ -1,6 +1,6 @@
 """The benchmarks in bench/ keep working: each runs once, tiny, and its JSON is checked.
 
-The figures themselves come from full runs (BENCHMARKS.md); these only prove the scripts run
+The figures themselves come from full runs (docs/performance.md); these only prove the scripts run
 end to end and measure every side they claim to.
 """
 
@@ -42,6 +42,7 @@ SIDES = (
 )
 
 
+@pytest.mark.nightly  # a full engine start per side; the other benches' smokes stay default
 def test_engine_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "r.json"
     cmd = [
