@@ -228,5 +228,5 @@ def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
     if not isinstance(comm_threads._sched(), str):  # else the platform is the reason already
         monkeypatch.setattr(comm_threads._Sched, "get", old_kernel)
     found = toolchain.check_time_slices()
-    assert found.severity == "info" and "gloo_slice_us does nothing here" in found.message
+    assert found.severity == "info" and "gloo_slice_us would do nothing here" in found.message
     assert '"gloo_slice_us": 0' in found.fix

@@ -18,18 +18,18 @@ def refuse_rerun(args: argparse.Namespace, run_dir: Path) -> None:
     from wonderland_ds.config import stages
     from wonderland_ds.run import manifest
 
-    entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage)) or {}
+    entry = manifest.stage_record(run_dir, args.stage)
     if stages.get(args.stage).kind != "train":
         return
-    if entry.get("status") != "ok" or getattr(args, "rerun", False):
+    if entry.status != "ok" or getattr(args, "rerun", False):
         return
-    made = entry.get("output_checkpoint") or entry.get("checkpoint") or entry.get("report")
+    made = entry.output_checkpoint or entry.checkpoint or entry.report
     raise Refused(
         Finding(
             "stage-complete",
             "error",
             f"stage {args.stage} is complete in {run_dir} ({made or 'no output recorded'},"
-            f" finished {entry.get('finished')}): training it again would mix two attempts",
+            f" finished {entry.finished}): training it again would mix two attempts",
             "pass --rerun to start a new attempt (the old stage folder is moved to"
             f" stage{args.stage}.attemptN, recorded in run.json), or use a new --run-dir",
             str(run_dir / manifest.NAME),
@@ -43,9 +43,8 @@ def move_attempt_aside(run_dir: Path, stage: int) -> None:
     from wonderland_ds.run import manifest
 
     folder = run_dir / f"stage{stage}"
-    data = manifest.read(run_dir) or {}
-    entry = (data.get("stages") or {}).get(str(stage)) or {}
-    attempts = list(entry.get("attempts") or [])
+    entry = manifest.stage_record(run_dir, stage)
+    attempts = list(entry.attempts)
     if folder.exists():
         k = len(attempts) + 1
         while (run_dir / f"stage{stage}.attempt{k}").exists():
@@ -55,9 +54,9 @@ def move_attempt_aside(run_dir: Path, stage: int) -> None:
         attempts.append(
             {
                 "folder": str(aside.resolve()),
-                "status": entry.get("status"),
-                "output_checkpoint": entry.get("output_checkpoint"),
-                "finished": entry.get("finished"),
+                "status": entry.status,
+                "output_checkpoint": entry.output_checkpoint,
+                "finished": entry.finished,
                 "moved": manifest.now(),
             }
         )
@@ -76,8 +75,3 @@ def continue_hint(args: argparse.Namespace, run_dir: Path) -> str:
             else:
                 argv += [flag, value]
     return "wonderland " + shlex.join(argv)
-
-
-def failed_hosts(entry: dict) -> list[str]:
-    hosts = entry.get("failed_hosts")
-    return [h for h in hosts if isinstance(h, str)] if isinstance(hosts, list) else []

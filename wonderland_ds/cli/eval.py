@@ -20,9 +20,8 @@ def _eval_defaults(home: Path | None, stage: int | None) -> tuple[str, str | Non
     default config and the config's own task."""
     from wonderland_ds.run import manifest
 
-    stages = ((manifest.read(home) or {}).get("stages") or {}) if home else {}
-    entry = stages.get(str(stage)) or {}
-    used, argv = entry.get("config"), entry.get("argv") or []
+    entry = manifest.stage_record(home, stage) if home and stage is not None else None
+    used, argv = (entry.config, entry.argv) if entry else (None, [])
     config = used if isinstance(used, str) and Path(used).is_file() else str(DEFAULT_CONFIG)
     task = argv[argv.index("--task") + 1] if "--task" in argv[:-1] else None
     return config, task

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from wonderland_ds.cli.attempts import continue_hint, failed_hosts, move_attempt_aside, refuse_rerun
+from wonderland_ds.cli.attempts import continue_hint, move_attempt_aside, refuse_rerun
 from wonderland_ds.cli.common import Commands, add_launch_flags, add_rerun_flag, hostfile_or_refuse
 from wonderland_ds.core.findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, render
 from wonderland_ds.launch.flags import add_stage_flags
@@ -99,8 +99,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             started = time.time()
             continue
         allowed = args.max_restarts if args.max_restarts is not None else settings.max_restarts
-        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
-        cause = str(entry.get("error") or f"the deepspeed launcher exited with {rc}")
+        entry = manifest.stage_record(run_dir, args.stage)
+        cause = str(entry.error or f"the deepspeed launcher exited with {rc}")
         if len(restarts) >= allowed:
             if restarts:
                 print(
@@ -111,7 +111,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             break
         newest = ck.newest_complete(run_dir / f"stage{args.stage}" / "checkpoints", deep=False)
         since = newest.tag_dir.stat().st_mtime if newest else started
-        failed = failed_hosts(entry)
+        failed = entry.failed_hosts
         if args.exclude_failed_hosts and failed and len(hf.hosts) > 1:
             exclude[:] = sorted(set(exclude) | set(failed))
         restarts.append(
@@ -119,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "attempt": len(restarts) + 1,
                 "cause": cause[:500],
                 "exit_code": rc,
-                "rank": entry.get("failed_rank"),
+                "rank": entry.failed_rank,
                 "host": failed[0] if failed else None,
                 "excluded_hosts": list(exclude),
                 "resumed_from_step": ck.step_of(newest.tag_dir.name) if newest else None,
@@ -199,12 +199,12 @@ def _launch_once(
     for path in shm_buffers(port):
         Path(path).unlink(missing_ok=True)
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
-        entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
+        entry = manifest.stage_record(run_dir, args.stage)
         beats = runstate.heartbeats(run_dir / f"stage{args.stage}")
         ranks_started = any(b.get("time", 0) >= started for b in beats)
         taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
         port_taken = bool(taken) and not ranks_started
-        if entry.get("status") == "running" and not entry.get("error"):
+        if entry.status == "running" and not entry.error:
             # Rank 0 records every failure it lives through (a timeout with the ranks that
             # stopped answering): when it recorded none, rank 0 itself died or hung.
             why = (
@@ -221,7 +221,7 @@ def _launch_once(
                 error=f"launcher exit code {rc}; {why}",
             )
         else:
-            why = f"rank 0 reported: {entry.get('error') or 'no error text'}"
+            why = f"rank 0 reported: {entry.error or 'no error text'}"
             manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
         print(
             f"stage {args.stage} failed: the deepspeed launcher exited with {rc}; {why}"

@@ -195,7 +195,7 @@ def check_time_slices() -> Finding:
     return Finding(
         "doctor-time-slices",
         "info",
-        f"{why}: wonderland.gloo_slice_us does nothing here and a stage says so once at its start",
-        'set "gloo_slice_us": 0 in the config\'s "wonderland" section to silence the note, or'
-        " run on Linux 6.12 or later",
+        f"{why}: the opt-in wonderland.gloo_slice_us would do nothing here (a stage that sets"
+        " it says so once at its start)",
+        "leave gloo_slice_us at 0 (its default), or run on Linux 6.12 or later",
     )

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from wonderland_ds.core.files import atomic_write_text
 
 NAME = "run.json"
@@ -80,3 +82,43 @@ def replace_stage(run_dir: Path, stage: int, entry: dict[str, Any]) -> None:
         return
     data["stages"][str(stage)] = dict(entry)
     atomic_write_text(run_dir / NAME, json.dumps(data, indent=2, sort_keys=True))
+
+
+class StageRecord(BaseModel):
+    """One stage's entry of ``run.json``, as the front and the ranks read it back. The fields
+    listed are typed; stage-specific ones (a report's figures, a gate) are kept as written."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str | None = None
+    status: str | None = None
+    config: str | None = None
+    argv: list[str] = []
+    world_size: int | None = None
+    seed: int | None = None
+    started: str | None = None
+    finished: str | None = None
+    end_step: int | None = None
+    checkpoint: str | None = None
+    report: str | None = None
+    input_checkpoint: str | None = None
+    input_checkpoint_id: str | None = None
+    output_checkpoint: str | None = None
+    front: dict[str, Any] | None = None
+    restarts: list[dict[str, Any]] = []
+    attempts: list[dict[str, Any]] = []
+    exit_code: int | None = None
+    error: str | None = None
+    failed_hosts: list[str] = []
+    failed_rank: int | None = None
+
+
+def stage_record(run_dir: Path, stage: int) -> StageRecord:
+    """The stage's entry (empty when the run or the stage has none). An entry whose typed
+    fields do not validate reads as empty: ``run.json`` is rewritten whole by every update,
+    so such an entry was not written by this code."""
+    entry = ((read(run_dir) or {}).get("stages") or {}).get(str(stage)) or {}
+    try:
+        return StageRecord.model_validate(entry)
+    except ValidationError:
+        return StageRecord()

@@ -156,8 +156,7 @@ def train(
 
         recorded = None
         if dist.is_main():
-            entry = ((manifest.read(run_dir) or {}).get("stages") or {}).get(str(args.stage), {})
-            recorded = entry.get("end_step")
+            recorded = manifest.stage_record(run_dir, args.stage).end_step
         recorded = dist.broadcast(recorded)
         if isinstance(recorded, int) and recorded > prog.stage_start_step:
             run.steps = recorded - prog.stage_start_step
