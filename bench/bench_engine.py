@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk import write_speed  # noqa: E402
 
 from wonderland_ds.checkpoint import async_save as async_ckpt
+from wonderland_ds.checkpoint import snapshot_engine
 from wonderland_ds.config.settings import Guards, WonderlandSettings  # noqa: E402
 from wonderland_ds.core import distributed as dist  # noqa: E402
 from wonderland_ds.data import builtin, cache  # noqa: E402
@@ -313,7 +314,7 @@ def save_bench(task, config: dict, reps: int, folder: Path) -> dict:
     original = engine.checkpoint_engine
     writers = {}
     for side, copy_held in (("wl", True), ("serialize", False)):
-        writer = async_ckpt.install(engine, copy_held=copy_held)
+        writer = snapshot_engine.install(engine, copy_held=copy_held)
         writers[side] = (writer, engine.checkpoint_engine)
         engine.checkpoint_engine = original
     step = 0

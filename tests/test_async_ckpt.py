@@ -74,7 +74,7 @@ except Exception as exc:
 def test_pooled_snapshot_reuses_buffers_only_after_the_write(tmp_path):
     """The second save copies into the first save's buffers (no fresh page faults), and the
     first file still holds the first save's values: a buffer goes back only once written."""
-    from wonderland_ds.checkpoint.async_save import SnapshotCheckpointEngine
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
 
     w = Writer()
     eng = SnapshotCheckpointEngine(object(), w)
@@ -197,7 +197,7 @@ def test_a_failed_held_file_releases_the_fence(tmp_path):
 def test_engine_holds_step_only_storages_and_copies_the_rest(tmp_path):
     """Parameters and optimizer state (views included) are held; a buffer, which a forward
     may update, is copied: changing both before the write shows which is which."""
-    from wonderland_ds.checkpoint.async_save import SnapshotCheckpointEngine
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
 
     gate = threading.Event()
     w = _slow_writer(gate)
@@ -222,7 +222,7 @@ def test_copied_held_tensors_free_the_fence_before_the_file_is_serialized(tmp_pa
     fence returns then, while the file is not serialized yet (the writer is stopped after the
     copy); an optimizer step after the fence does not reach the file. Views keep sharing one
     copied storage, and the copies are pooled: the next save reuses them."""
-    from wonderland_ds.checkpoint.async_save import SnapshotCheckpointEngine
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
 
     copied, go_on = threading.Event(), threading.Event()
 
@@ -256,7 +256,7 @@ def test_every_file_of_a_save_is_copied_before_any_is_serialized(tmp_path):
     states). The copies of all of them run first: the fence returns while the writer is
     stuck inside the first file's write (after its torch.save, before its rename), which it
     could not if the second file's copy waited behind the first file's write."""
-    from wonderland_ds.checkpoint.async_save import SnapshotCheckpointEngine
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
 
     gate = threading.Event()
     w = Writer(lambda point: gate.wait(30) if point == "mid-file" else None)
@@ -279,7 +279,7 @@ def test_every_file_of_a_save_is_copied_before_any_is_serialized(tmp_path):
 def test_serialized_held_tensors_hold_the_fence_until_written(tmp_path):
     """async_save_copy false: nothing is copied, the fence waits for torch.save itself (the
     writer stopped before the file: the fence must time out)."""
-    from wonderland_ds.checkpoint.async_save import SnapshotCheckpointEngine
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
 
     gate = threading.Event()
     w = _slow_writer(gate)
@@ -392,7 +392,7 @@ def test_nothing_is_held_when_deepspeed_may_step_outside_the_fence(feature):
     the boundary step the loop fences: then every tensor is copied."""
     from types import SimpleNamespace
 
-    from wonderland_ds.checkpoint.async_save import step_only_storages
+    from wonderland_ds.checkpoint.snapshot_engine import step_only_storages
 
     p = torch.nn.Parameter(torch.zeros(4))
     base = torch.optim.SGD([p], lr=0.1)

@@ -60,7 +60,7 @@ def collectives(out: Path, rank: int, world: int) -> dict:
 def async_save(out: Path, rank: int, world: int) -> dict:
     import deepspeed
 
-    from wonderland_ds.checkpoint import async_save as async_ckpt
+    from wonderland_ds.checkpoint import snapshot_engine
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -77,7 +77,7 @@ def async_save(out: Path, rank: int, world: int) -> dict:
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
-    writer = async_ckpt.install(engine, copy_held=True)
+    writer = snapshot_engine.install(engine, copy_held=True)
 
     def step() -> None:
         loss = engine(torch.randn(8, 512, device=dev)).pow(2).mean()

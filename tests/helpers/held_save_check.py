@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.helpers.util import same  # noqa: E402
 from wonderland_ds.checkpoint import async_save as async_ckpt  # noqa: E402
+from wonderland_ds.checkpoint import snapshot_engine  # noqa: E402
 from wonderland_ds.core import distributed as dist  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def main() -> None:
             if point == "before-file":
                 time.sleep(0.4)  # the next steps run while this file waits to be written
 
-        writer = async_ckpt.install(engine, slow, copy_held="--serialize-held" not in sys.argv)
+        writer = snapshot_engine.install(engine, slow, copy_held="--serialize-held" not in sys.argv)
         engine.save_checkpoint(str(root), tag="held", save_latest=False)
         engine.checkpoint_engine = original
         queued = writer.pending

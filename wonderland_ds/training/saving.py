@@ -15,7 +15,7 @@ from typing import Any
 
 from wonderland_ds.checkpoint import async_save as async_ckpt
 from wonderland_ds.checkpoint import contract as ck
-from wonderland_ds.checkpoint import markers
+from wonderland_ds.checkpoint import markers, snapshot_engine
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Finding, GuardStop
 from wonderland_ds.data.sampler import LoaderState
@@ -41,7 +41,9 @@ class Saver(Callback):
         return bool(self.writer.busy)
 
     def on_start(self) -> None:
-        self.writer = async_ckpt.install(self.engine, copy_held=self.run.settings.async_save_copy)
+        self.writer = snapshot_engine.install(
+            self.engine, copy_held=self.run.settings.async_save_copy
+        )
 
     def pre_update(self) -> None:
         # The optimizer update changes what the last save's writer may still be serializing
