@@ -100,9 +100,10 @@ def test_every_fault_is_detected_with_its_latency(run16):
         drop["step"] == 50 and drop["rank"] == 1
     )  # stamped at its step; acted on at the check (<= 9 steps later; target: 10)
     assert first(evts, "loss-spike")["step"] == 60  # at the step
-    div = first(evts, "replica-divergence")
-    assert div["step"] == 70 and div["rank"] == 1  # the next fingerprint (every 5 steps)
-    assert "body.0.weight" in div["message"]
+    divs = [e for e in evts if e["guard"] == "replica-divergence"]
+    # The next fingerprint (every 5 steps); two replicas that disagree are both named.
+    assert {e["rank"] for e in divs if e["step"] == 70} == {0, 1}, divs
+    assert all("body.0.weight" in e["message"] and "no majority" in e["message"] for e in divs)
     assert first(evts, "loss-nan")["step"] == 78  # at the step
     assert first(evts, "slow-comm")["rank"] == 1  # the in-training probe names it too
     # Judged 10 steps at a time (guards.check_interval), every step keeps its own row and

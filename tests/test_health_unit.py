@@ -77,6 +77,16 @@ def test_divergence_names_the_first_parameter_and_the_odd_rank():
     assert health.divergence(50, [[1.0], [1.0]], ["a"], HOSTS, G) == []
 
 
+def test_two_disagreeing_replicas_name_both_ranks():
+    """No majority: blaming rank 1 (the mode's first-value tie break) would be a guess."""
+    for prints in ([[1.0, 2.0], [1.0, 2.5]], [[1.0, 2.5], [1.0, 2.0]]):
+        events = health.divergence(50, prints, ["a", "b"], HOSTS, G)
+        assert [e.rank for e in events] == [0, 1]
+        assert all("no majority" in e.message and "'b'" in e.message for e in events)
+    split = [[1.0], [2.0], [1.0], [2.0]]  # two against two: no majority either
+    assert len(health.divergence(50, split, ["a"], HOSTS * 2, G)) == 4
+
+
 def test_fault_grammar():
     plan = faults.parse("drop@grad:rank=1:step=10:until=12,spike@step:step=40,slow@comm:rank=2")
     drop, spike, slow = plan.faults
@@ -205,9 +215,12 @@ def test_divergence_is_judged_from_the_step_it_was_seen_at(tmp_path):
         module.weight.add_(1.0)  # what the module looks like by the check: irrelevant
     v[2 + 2 + 1] = v[2 + 2] + 0.5  # rank 1's fingerprint differed at step 5
     v[2], v[3] = 1.0, 1.0  # both ranks had gradients
-    (e,) = sg.judge(v, 1.0, 1e-3, module, 0, None)
-    # One process: the gathered sums agree one by one, so the ranks are named by checksum.
-    assert e.guard == "replica-divergence" and e.step == 5 and e.rank == 1
+    events = sg.judge(v, 1.0, 1e-3, module, 0, None)
+    # One process: the gathered sums agree one by one, so the ranks are named by checksum;
+    # two ranks that disagree are both named (neither is a majority).
+    assert [e.rank for e in events] == [0, 1]
+    e = events[1]
+    assert e.guard == "replica-divergence" and e.step == 5 and "no majority" in e.message
     assert "checksum" in e.message and (tmp_path / "guards.jsonl").exists()
     assert sg.param_sums == {}  # judged: not kept
 

@@ -216,18 +216,22 @@ class StepGuards:
                 found = health.divergence(step, dist.gather_all(sums), names, self.hosts, self.g)
                 if not found:  # the sums agree one by one but not weighted: name the ranks
                     majority = statistics.mode(prints)
+                    no_majority = 2 * prints.count(majority) <= w  # then every rank is named
                     found = [
                         Event(
                             "replica-divergence",
                             step,
                             self.g.divergence_policy,
                             f"parameter checksum {prints[r]!r} differs from the other"
-                            f" replicas' {majority!r}",
+                            f" replicas' {majority!r}"
+                            if not no_majority
+                            else f"parameter checksums differ and no majority agrees"
+                            f" (rank {r}: {prints[r]!r})",
                             r,
                             self.hosts[r],
                         )
                         for r in range(w)
-                        if prints[r] != majority
+                        if no_majority or prints[r] != majority
                     ]
                 out += found
         if self._probe_due(v):

@@ -148,11 +148,26 @@ def divergence(
     step: int, prints: list[list[float]], names: list[str], hosts: list[str], g: Guards
 ) -> list[Event]:
     """``prints[r][i]``: rank r's checksum of parameter i. Names the first parameter whose
-    replicas differ and the ranks that disagree with the majority."""
+    replicas differ and the ranks that disagree with the majority; every rank when no value
+    is held by more than half of them (two ranks that disagree: which one is wrong is not
+    known)."""
     for i, name in enumerate(names):
         values = [p[i] for p in prints]
         majority = statistics.mode(values)
         odd = [r for r, v in enumerate(values) if v != majority]
+        if odd and 2 * values.count(majority) <= len(values):
+            return [
+                Event(
+                    "replica-divergence",
+                    step,
+                    g.divergence_policy,
+                    f"parameter {name!r} differs between replicas and no majority agrees"
+                    f" (rank {r}: {v!r})",
+                    r,
+                    hosts[r],
+                )
+                for r, v in enumerate(values)
+            ]
         if odd:
             return [
                 Event(
