@@ -13,8 +13,8 @@ from wonderland_ds.data.tasks import Split, Task
 
 def digits_without_minority() -> Task:
     """The built-in digits task with its minority classes (3 and 8) cut from the training
-    split: a stage 16 trained on it forgets them (recall 1.0 and 0.8 after stage 15, 0.4 and 0.2
-    after 60 such steps). The held-out split is digits' own, so stage
+    split: a stage 16 trained on it forgets them (recall 1.0 and 0.8 after stage 15, both under
+    the minority floor after 100 such steps). The held-out split is digits' own, so stage
     17 measures the damage on exactly the samples the healthy run is measured on."""
     base = digits()
     make = base.make_splits

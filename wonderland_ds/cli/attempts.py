@@ -69,9 +69,9 @@ def continue_hint(args: argparse.Namespace, run_dir: Path) -> str:
     argv = list(getattr(args, "invoked", None) or ["train", *sys.argv[1:]])
     if argv and argv[0] == "train":
         argv = [a for a in argv if a != "--rerun"]
-        for flag, value in (("--resume", "auto"), ("--run-dir", str(run_dir))):
-            if flag in argv[:-1]:
-                argv[argv.index(flag) + 1] = value
-            else:
-                argv += [flag, value]
+        for flag in ("--resume", "--run-dir"):  # replaced by the two the hint ends with
+            while flag in argv[:-1]:
+                i = argv.index(flag)
+                del argv[i : i + 2]
+        argv += ["--resume", "auto", "--run-dir", str(run_dir)]
     return "wonderland " + shlex.join(argv)
