@@ -90,6 +90,7 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
     assert save["wl_complete_s"][0] >= save["wl_blocked_s"][0]
 
 
+@pytest.mark.nightly
 def test_loader_bench_one_tiny_repetition():
     cmd = [sys.executable, "bench/bench_loader.py", "--reps", "1", "--samples", "256"]
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
@@ -97,6 +98,7 @@ def test_loader_bench_one_tiny_repetition():
     assert "samples/s" in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.nightly
 def test_check_allreduce_bench_one_tiny_run(tmp_path):
     out = tmp_path / "ar.json"
     cmd = [
@@ -120,6 +122,7 @@ def test_check_allreduce_bench_one_tiny_run(tmp_path):
         assert all(v["median_us"] > 0 and v["mean_us"] > 0 for v in rank.values())
 
 
+@pytest.mark.nightly
 def test_parts_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "parts.json"
     cmd = [

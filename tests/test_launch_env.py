@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.util import REPO
 from wonderland_ds.config.hostfile import parse
 from wonderland_ds.launch import command as launch
@@ -56,6 +58,7 @@ def _launch_cmd(tmp_path: Path, marker: Path) -> tuple[list[str], dict[str, str]
     return cmd, dict(os.environ, OMP_NUM_THREADS="1")
 
 
+@pytest.mark.nightly  # the preload is opt-in (--preload-launcher)
 def test_the_early_launcher_launches_nothing_until_released(tmp_path):
     """`wonderland train --preload-launcher` starts DeepSpeed's launcher while its preflight
     runs (the launcher's import overlaps the checks): refused or abandoned, it has launched

@@ -209,6 +209,7 @@ def test_resume_auto_warns_when_latest_was_edited_back(capsys, stage15_fp32, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # every damage's refusal and fallback stay in the default suite
 def test_resume_auto_really_resumes_the_fallback_and_leaves_the_damage_alone(
     stage15_fp32, tmp_path
 ):
