@@ -408,3 +408,174 @@ def test_nothing_is_held_when_deepspeed_may_step_outside_the_fence(feature):
         assert p.untyped_storage().data_ptr() in held and len(held) == 3  # p, weight, bias
     else:
         assert held == frozenset()
+
+
+class _FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append((self.name, "wait_event", event.n))
+
+
+class _FakeEvent:
+    def __init__(self, log: list) -> None:
+        self.log, self.n = log, 1 + sum(1 for e in log if e[0] == "record")
+
+    def record(self, stream: _FakeStream) -> None:
+        self.log.append(("record", self.n, stream.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.n))
+
+
+class _FakeAccel:
+    """DeepSpeed's accelerator API as an asynchronous device answers it, every call logged.
+    Its copies are host copies (done at once); the order of the calls is what is checked."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.main = _FakeStream("main", self.log)
+        self.pinned: list[int] = []  # data pointers of the page-locked buffers it made
+
+    @property
+    def Stream(self):
+        return lambda: _FakeStream("side", self.log)
+
+    @property
+    def Event(self):
+        return lambda: _FakeEvent(self.log)
+
+    def stream(self, stream: _FakeStream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            self.log.append(("enter", stream.name))
+            yield
+            self.log.append(("exit", stream.name))
+
+        return ctx()
+
+    def current_stream(self) -> _FakeStream:
+        return self.main
+
+    def pin_empty(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=dtype)
+        self.pinned.append(t.data_ptr())
+        return t
+
+    def is_synchronized_device(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize",))
+
+
+def _as_device(monkeypatch, *tensors: torch.Tensor) -> set[int]:
+    """Make the stager treat these host tensors' storages as device ones, and fail any clone
+    of them (a clone of a device storage would take device memory)."""
+    from wonderland_ds.checkpoint import async_save
+
+    dev = {t.untyped_storage().data_ptr() for t in tensors}
+    monkeypatch.setattr(async_save, "_on_device", lambda s: s.data_ptr() in dev)
+    clone = torch.UntypedStorage.clone
+
+    def no_device_clone(self):
+        assert self.data_ptr() not in dev, "a device storage was cloned"
+        return clone(self)
+
+    monkeypatch.setattr(torch.UntypedStorage, "clone", no_device_clone)
+    return dev
+
+
+def test_device_storages_go_to_pooled_host_buffers_on_a_side_stream(tmp_path, monkeypatch):
+    """Device storages (stood in for by host ones): each save queues their copies into pooled
+    page-locked buffers on a side stream that first waits for the current stream; the current
+    stream waits at once for what a forward may change, and for the held storages only at
+    the fence; the writer synchronizes both events before torch.save. Files are byte for
+    byte what a synchronous torch.save of the state writes; the second save allocates no
+    page-locked buffer, and a host storage of the same size never takes one."""
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
+
+    flat = torch.arange(12.0)  # held: e.g. the flat fp32 master weights, saved as views
+    running = torch.zeros(3)  # not held: a buffer a forward may update
+    host = torch.ones(3)  # a host tensor of the same size as `running`
+    _as_device(monkeypatch, flat, running)
+    accel = _FakeAccel()
+    real_save = torch.save
+
+    def logged_save(obj, f, **kw):
+        accel.log.append(("torch.save",))
+        real_save(obj, f, **kw)
+
+    monkeypatch.setattr(torch, "save", logged_save)
+    w = Writer(accel=accel)
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({flat.data_ptr()}))
+    for k in (1, 2):
+        (tmp_path / f"ref{k}").mkdir(), (tmp_path / f"ours{k}").mkdir()
+        state = {"w": flat[:6], "m": flat[6:], "running": running, "host": host}
+        # DeepSpeed's own, synchronous save (the name inside the zip is the writer's .tmp one)
+        real_save(state, tmp_path / f"ref{k}" / "s.pt.tmp")
+        accel.log.clear()
+        w.pool.start()
+        eng.save(state, str(tmp_path / f"ours{k}" / "s.pt"))
+        mine = [e for e in accel.log if e[0] not in ("sync", "torch.save")]  # writer's
+        assert mine == [
+            ("side", "wait_stream", "main"),
+            ("enter", "side"),
+            ("exit", "side"),
+            ("record", 1, "side"),
+            ("main", "wait_event", 1),  # the buffer's copy: the current stream waits at once
+            ("side", "wait_stream", "main"),
+            ("enter", "side"),
+            ("exit", "side"),
+            ("record", 2, "side"),
+        ], accel.log
+        w.fence(timeout=10)
+        assert accel.log.count(("main", "wait_event", 2)) == 1  # held: only at the fence
+        w.fence(timeout=10)
+        assert accel.log.count(("main", "wait_event", 2)) == 1  # once
+        flat += 100  # the optimizer step
+        running += 1  # the next forward
+        w.wait()
+        at = accel.log.index(("torch.save",))
+        assert ("sync", 1) in accel.log[:at] and ("sync", 2) in accel.log[:at], accel.log
+        ours = (tmp_path / f"ours{k}" / "s.pt").read_bytes()
+        assert ours == (tmp_path / f"ref{k}" / "s.pt.tmp").read_bytes()
+    assert len(accel.pinned) == 2  # first save only: flat's and running's
+    assert w.pool.reused == 3  # the second save reused both page-locked buffers and host's
+    assert {b.data_ptr() for b in w.pool._free[(12, True)]} == {accel.pinned[1]}
+    assert w.pool._free[(12, False)][0].data_ptr() not in accel.pinned
+    w.close()
+
+
+def test_device_path_on_deepspeeds_cpu_accelerator(tmp_path, monkeypatch):
+    """The same code on the accelerator this machine has (DeepSpeed's CPU one: no streams,
+    no events, no pinning): copies are done at the save, the fence and the writer have no
+    event to wait for, and the file equals a synchronous save of the state. Without a
+    writer, snapshot() copies a device storage into a host buffer at once."""
+    from wonderland_ds.checkpoint.snapshot_engine import SnapshotCheckpointEngine
+
+    flat, running = torch.arange(8.0), torch.zeros(2)
+    _as_device(monkeypatch, flat, running)
+    state = {"a": flat[:4], "b": flat[4:], "running": running}
+    (tmp_path / "ref").mkdir(), (tmp_path / "ours").mkdir()
+    torch.save(state, tmp_path / "ref" / "s.pt.tmp")  # the zip's inner name: the writer's
+    w = Writer()
+    eng = SnapshotCheckpointEngine(object(), w, lambda: frozenset({flat.data_ptr()}))
+    eng.save(state, str(tmp_path / "ours" / "s.pt"))
+    assert w.stager.accel.is_synchronized_device() and w.stager.accel.Stream is None
+    w.fence(timeout=10)
+    flat += 1
+    w.wait()
+    w.close()
+    ours = (tmp_path / "ours" / "s.pt").read_bytes()
+    assert ours == (tmp_path / "ref" / "s.pt.tmp").read_bytes()
+    snap = snapshot(state)
+    flat += 1
+    assert snap["a"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert snap["a"].untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()

@@ -22,6 +22,14 @@ Three things keep the blocked window short:
   memory pays a page fault per page;
 * each rank's RNG states travel in its ``.done-rankR`` marker (``markers.py``), so no collective
   gathers them on the training loop's time.
+
+Device tensors are never copied on the device: its memory is the scarce kind (a second copy
+of the fp32 master weights and moments would not fit). At the save, :class:`DeviceStager`
+queues each device storage's copy into a page-locked host buffer from the pool, on a side
+stream behind the work already queued. The training stream waits for the copies of what a
+forward may change right away, on the device (the host goes on); for held ones, the fence
+makes it wait before the optimizer update. The writer thread waits for the copies before
+torch.save; the files hold them as CPU tensors (DeepSpeed loads checkpoints onto the CPU).
 """
 
 from __future__ import annotations
@@ -40,15 +48,19 @@ import torch
 
 
 class BufferPool:
-    """Host buffers reused from one save's snapshot to the next. A buffer is handed back
-    (:meth:`give`) only once its file is written; :meth:`start`, called when the previous save
-    has completed (back-pressure), makes those buffers the ones this save copies into, so a
-    buffer is never reused while read. :meth:`trim` drops what this save did not take: the
-    pool holds at most one copy of this rank's state."""
+    """Host buffers reused from one save's snapshot to the next, pageable ones for host
+    storages and page-locked ones (``pinned``, allocated by the device stager) for device
+    storages, each kind keyed by size. A buffer is handed back (:meth:`give`) only once its
+    file is written; :meth:`start`, called when the previous save has completed
+    (back-pressure), makes those buffers the ones this save copies into, so a buffer is never
+    reused while read. :meth:`trim` drops what this save did not take: the pool holds at most
+    one copy of this rank's state."""
 
-    def __init__(self) -> None:
-        self._free: dict[int, list[torch.UntypedStorage]] = {}  # given back by this save
-        self._prev: dict[int, list[torch.UntypedStorage]] = {}  # the previous save's, to reuse
+    def __init__(self, pinned: Callable[[int], torch.UntypedStorage] | None = None) -> None:
+        # (nbytes, page-locked) -> buffers: a device copy must land in page-locked memory.
+        self._free: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}  # given back
+        self._prev: dict[tuple[int, bool], list[torch.UntypedStorage]] = {}  # previous save's
+        self._pinned = pinned
         self._lock = threading.Lock()
         self.reused = 0
 
@@ -56,29 +68,33 @@ class BufferPool:
         with self._lock:
             self._prev, self._free = self._free, {}
 
-    def take(self, nbytes: int) -> torch.UntypedStorage:
-        """A host buffer of ``nbytes`` (the previous save's when one fits), not yet filled."""
+    def take(self, nbytes: int, pinned: bool = False) -> torch.UntypedStorage:
+        """A host buffer of ``nbytes`` (the previous save's when one fits), not yet filled;
+        ``pinned``: page-locked, for a device storage's copy."""
         with self._lock:
-            free = self._prev.get(nbytes)
+            free = self._prev.get((nbytes, pinned))
             buf = free.pop() if free else None
-        if buf is None:
-            return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
-        self.reused += 1
-        return buf
+        if buf is not None:
+            self.reused += 1
+            return buf
+        if pinned and self._pinned is not None:
+            return self._pinned(nbytes)
+        return _new(nbytes)
 
     def copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        """A pooled copy of a host storage (device storages go through :class:`DeviceStager`)."""
         n = storage.nbytes()
-        if storage.device.type != "cpu" or n == 0:
-            return storage.clone()  # device memory is not pooled: it is the scarce kind
+        if n == 0:
+            return storage.clone()
         buf = self.take(n)
         buf.copy_(storage)
         return buf
 
-    def give(self, buffers: list[torch.UntypedStorage]) -> None:
+    def give(self, buffers: list[torch.UntypedStorage], pinned: bool = False) -> None:
         with self._lock:
             for buf in buffers:
-                if buf.device.type == "cpu" and buf.nbytes():
-                    self._free.setdefault(buf.nbytes(), []).append(buf)
+                if buf.nbytes():
+                    self._free.setdefault((buf.nbytes(), pinned), []).append(buf)
 
     def trim(self) -> None:
         """Drop the previous save's buffers this save did not take (shapes changed); buffers
@@ -87,12 +103,84 @@ class BufferPool:
             self._prev = {}
 
 
+def _new(nbytes: int) -> torch.UntypedStorage:
+    return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+
+
+def _on_device(storage: torch.UntypedStorage) -> bool:
+    """Copied through :class:`DeviceStager` (tests stand host storages in for device ones)."""
+    return storage.device.type != "cpu"
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage: storages are copied as tensors."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class DeviceStager:
+    """Device-to-host copies on a side stream, through DeepSpeed's accelerator API (any
+    device; ``accel`` stands in for it in tests). The only code here that touches streams.
+    On the CPU accelerator (no streams, no events, no pinning) a copy is done when
+    :meth:`copy` returns and its event is None."""
+
+    def __init__(self, accel: Any = None) -> None:
+        self._accel = accel
+        self._stream: Any = None
+
+    @property
+    def accel(self) -> Any:
+        if self._accel is None:  # at the first device storage: host-only saves never need it
+            from deepspeed.accelerator import get_accelerator
+
+            self._accel = get_accelerator()
+        return self._accel
+
+    def pinned(self, nbytes: int) -> torch.UntypedStorage:
+        """A page-locked host buffer (pageable where pinning fails: the copy then blocks)."""
+        try:
+            buf = self.accel.pin_empty(nbytes, dtype=torch.uint8)
+        except RuntimeError:  # page-locking refused (a memlock limit): correct, only slower
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf.untyped_storage()
+
+    def copy(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> Any:
+        """Queue each (host buffer, device storage) copy on the side stream, behind all the
+        current stream has queued; returns an event recorded after them (None: done)."""
+        accel = self.accel
+        if self._stream is None and accel.Stream is not None:
+            self._stream = accel.Stream()
+        side = self._stream
+        if side is not None:
+            side.wait_stream(accel.current_stream())
+        with accel.stream(side):
+            for buf, src in pairs:
+                _bytes(buf).copy_(_bytes(src), non_blocking=True)
+        if side is None or accel.Event is None:
+            if not accel.is_synchronized_device():
+                accel.synchronize()  # no stream to record on: wait for the copies here
+            return None
+        event = accel.Event()
+        event.record(side)
+        return event
+
+    def hold(self, event: Any) -> None:
+        """The current stream waits for ``event`` on the device: nothing queued after this
+        changes the storages before they are copied, and the host does not wait."""
+        if event is not None:
+            self.accel.current_stream().wait_event(event)
+
+    @staticmethod
+    def wait(event: Any) -> None:
+        """Block this thread (the writer's) until ``event``'s copies are done."""
+        if event is not None:
+            event.synchronize()
+
+
 def fill(staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]) -> None:
     """Copy each held storage into its buffer (a tensor copy: it releases the GIL, so the
     training loop runs while the writer thread copies)."""
     for buf, src in staged:
-        dst = torch.empty(0, dtype=torch.uint8).set_(buf)
-        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(src))
+        _bytes(buf).copy_(_bytes(src))
 
 
 def snapshot(
@@ -102,6 +190,7 @@ def snapshot(
     held: frozenset[int] = frozenset(),
     kept: list[torch.Tensor] | None = None,
     staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
+    device: list[tuple[torch.UntypedStorage, torch.UntypedStorage, bool]] | None = None,
 ) -> Any:
     """A copy that later training steps cannot change. Tensor storages are copied once each
     (into ``pool``'s reused buffers when given) and views rebuilt on the copies, so the file is
@@ -111,24 +200,38 @@ def snapshot(
     ``staged`` (a list, and a pool), a held storage gets a pool buffer that is *not filled*:
     the (buffer, live storage) pair goes into ``staged`` for the writer thread to copy
     (:func:`fill`) before the fence lets the optimizer change it. Without, the held tensor
-    itself is kept, and the writer serializes it straight from the live storage."""
+    itself is kept, and the writer serializes it straight from the live storage.
+    A device storage, held or not, gets a host buffer (page-locked, from the pool), never a
+    device copy: with ``device`` the (buffer, storage, held) triple goes there for the
+    :class:`DeviceStager`, else it is copied now. Its tensors are written as host tensors."""
     memo = {} if memo is None else memo
-    args = (memo, pool, held, kept, staged)
+    args = (memo, pool, held, kept, staged, device)
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
         storage = t.untyped_storage()
-        key = storage.data_ptr() if storage.nbytes() else id(t)
-        if key in held:
+        n = storage.nbytes()
+        key = storage.data_ptr() if n else id(t)
+        if _on_device(storage):
+            if key not in memo:
+                buf = torch.UntypedStorage(0)
+                if n:
+                    buf = pool.take(n, pinned=True) if pool is not None else _new(n)
+                    if device is not None:
+                        device.append((buf, storage, key in held))
+                    else:
+                        _bytes(buf).copy_(_bytes(storage))
+                memo[key] = buf
+        elif key in held:
             if kept is not None:
                 kept.append(obj)
             if staged is None or pool is None:
                 return obj
             if key not in memo:
-                memo[key] = pool.take(storage.nbytes())
+                memo[key] = pool.take(n)
                 staged.append((memo[key], storage))
         elif key not in memo:
             memo[key] = pool.copy(storage) if pool is not None else storage.clone()
-        out = torch.empty(0, dtype=t.dtype, device=t.device)
+        out = torch.empty(0, dtype=t.dtype, device=memo[key].device)
         return out.set_(memo[key], t.storage_offset(), t.size(), t.stride())
     # Exact types only: subclasses (torch.Size, defaultdict, named tuples) keep their type
     # through deepcopy below, and DeepSpeed's loaders rely on them (e.g. Size.numel()).
@@ -149,14 +252,16 @@ class Writer:
     """One background thread per rank, jobs in order; the first error is kept and raised by
     :meth:`wait`, and every later job is skipped (no half-finished checkpoint is completed)."""
 
-    def __init__(self, hook: Callable[[str], None] | None = None) -> None:
+    def __init__(self, hook: Callable[[str], None] | None = None, accel: Any = None) -> None:
         self.hook = hook or (lambda point: None)
-        self.pool = BufferPool()
+        self.stager = DeviceStager(accel)
+        self.pool = BufferPool(self.stager.pinned)
         # (job, release): release runs once the job is done or skipped (held files).
         self._q: queue.Queue[tuple[Callable[[], None], Callable[[], None]] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._pending = 0
         self._held = 0  # queued files that still read live training tensors
+        self._fenced: list[Any] = []  # held device copies' events, for the next fence
         # Serializations of copied held files, queued behind every copy of the same save
         # (at the next submit, wait or close): no copy waits for another file's torch.save.
         self._deferred: list[tuple[Callable[[], None], Callable[[], None]]] = []
@@ -201,6 +306,7 @@ class Writer:
         buffers: list[torch.UntypedStorage] | None = None,
         held: bool = False,
         staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None = None,
+        device: list[tuple[torch.UntypedStorage, torch.UntypedStorage, bool]] | None = None,
     ) -> None:
         """Queue ``obj`` for ``path``; ``buffers`` (its pooled storages) go back to the pool
         once the file is written. ``held``: ``obj`` reads live tensors, and :meth:`fence`
@@ -208,7 +314,14 @@ class Writer:
         serialized (into the page cache; fsync and rename come after). A staged file's copy
         is queued at once and its serialization held back until the next :meth:`submit`,
         :meth:`wait` or :meth:`close`, so the copies of one save (DeepSpeed writes the
-        model states, then the optimizer states) all run before any of its torch.saves."""
+        model states, then the optimizer states) all run before any of its torch.saves.
+        ``device`` (from :func:`snapshot`): its copies are queued now, on the caller's thread
+        (:meth:`_stage`), and the writer waits for them before torch.save."""
+        events = self._stage(device or [])
+        # The device copies' buffers go back to the pool as page-locked ones, the rest as not.
+        pinned = [buf for buf, _, _ in device or []]
+        ids = {id(buf) for buf in pinned}
+        buffers = [buf for buf in buffers or [] if id(buf) not in ids]
         released = [not held]
 
         def release() -> None:  # on the writer thread only: after torch.save, or when skipped
@@ -233,6 +346,8 @@ class Writer:
                 if not staged:
                     self.hook("before-file")
                 try:
+                    for event in events:  # never serialize a buffer still being filled
+                        self.stager.wait(event)
                     torch.save(obj, tmp, _use_new_zipfile_serialization=zipfile)
                 finally:
                     release()
@@ -241,8 +356,8 @@ class Writer:
                 self.hook("mid-file")
                 os.replace(tmp, path)
                 self.hook("after-file")
-                if buffers:
-                    self.pool.give(buffers)
+                self.pool.give(buffers)
+                self.pool.give(pinned, pinned=True)
             except BaseException as exc:
                 Path(tmp).unlink(missing_ok=True)  # never leave a partial file behind
                 if isinstance(exc, Exception):  # torch's zip writer hides the errno (EFBIG...)
@@ -262,6 +377,23 @@ class Writer:
             self._deferred.append((job, lambda: None))
         self._q.put((copy_held, release))
 
+    def _stage(
+        self, device: list[tuple[torch.UntypedStorage, torch.UntypedStorage, bool]]
+    ) -> list[Any]:
+        """Queue the copies of a file's device storages into their host buffers. What a
+        forward may change goes first, and the current stream waits for it at once; what only
+        an optimizer step changes makes the next :meth:`fence` wait. Returns the events."""
+        events: list[Any] = []
+        for held in (False, True):
+            pairs = [(buf, src) for buf, src, h in device if h is held]
+            if pairs:
+                events.append(self.stager.copy(pairs))
+                if held:
+                    self._fenced.append(events[-1])
+                else:
+                    self.stager.hold(events[-1])
+        return events
+
     @property
     def pending(self) -> int:
         return self._pending
@@ -274,8 +406,13 @@ class Writer:
 
     def fence(self, timeout: float | None = None) -> float:
         """Block until no queued file still reads live tensors: call it before anything
-        changes them (the optimizer step after a save). Returns the seconds it waited;
+        changes them (the optimizer step after a save). Held device storages: the current
+        stream waits for their copies, on the device. Returns the seconds the host waited;
         TimeoutError after ``timeout`` (a stuck disk must not hang the run)."""
+        if self._fenced:  # called on the loop's thread, as write() is: no lock
+            for event in self._fenced:
+                self.stager.hold(event)
+            self._fenced = []
         if not self._held:  # the common case, every step: no lock
             return 0.0
         t0 = time.perf_counter()

@@ -25,7 +25,8 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
     those are not copied on the loop's time, and the file is marked held (the loop fences the
     next step). ``copy_held``: the writer thread copies them into pooled buffers first thing,
     so the fence waits for a memcpy; false, it serializes them from the live tensors, so the
-    fence waits for torch.save (no extra host memory)."""
+    fence waits for torch.save (no extra host memory). Device storages are always copied into
+    pooled page-locked host buffers on a side stream (held ones fenced on the device)."""
 
     def __init__(
         self,
@@ -45,27 +46,28 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         kept: list[torch.Tensor] = []
         staged: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] | None
         staged = [] if self.copy_held else None
-        copy_ = snapshot(state_dict, memo, self.writer.pool, self.step_only(), kept, staged)
+        device: list[tuple[torch.UntypedStorage, torch.UntypedStorage, bool]] = []
+        pool, step_only = self.writer.pool, self.step_only()
+        copy_ = snapshot(state_dict, memo, pool, step_only, kept, staged, device)
         self.writer.write(
-            copy_, path, self.zipfile_serialization, list(memo.values()), bool(kept), staged
+            copy_, path, self.zipfile_serialization, list(memo.values()), bool(kept), staged, device
         )
 
 
 def step_only_storages(engine: Any) -> frozenset[int]:
-    """The host storages (by data pointer) a save may hold until the fence. Only an optimizer
-    step writes the module's parameters (and their ZeRO-3 partitions), the base optimizer's
+    """The storages (by data pointer) a save may hold until the fence. Only an optimizer step
+    writes the module's parameters (and their ZeRO-3 partitions), the base optimizer's
     parameters (the fp32 master weights) and its state (Adam's moments); forward and backward
-    only read them.
-    Device storages are never held: a device-to-host copy from the writer thread while the
-    next step runs is not something we could test here (no GPU); they are copied as before.
+    only read them. Host ones are read by the writer thread; device ones are copied at the
+    save on a side stream, and the fence orders the optimizer update after that copy.
     Anything not found here (buffers, which a forward may update; DeepSpeed's own scalars) is
-    copied."""
+    copied before the next step can change it."""
     if _may_step_outside_the_fence(engine):
         return frozenset()
     step_only: set[int] = set()
 
     def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()
             if storage.nbytes():
                 step_only.add(storage.data_ptr())
