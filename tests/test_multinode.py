@@ -8,7 +8,7 @@ What runs, through DeepSpeed's own multi-node launchers from the head node wl-no
 ``wonderland train`` over pdsh/ssh, ``wonderland train --launcher openmpi`` (mpirun, mpi4py
 discovery), and the plain ``deepspeed --hostfile hostfiles/netns3 wonderland_ds/train.py``.
 Network faults are real: one host's packets delayed 50 ms, then its link cut mid-stage and the
-stage resumed on the two remaining hosts through a universal checkpoint.
+stage resumed on the two remaining hosts, resharded at load time.
 """
 
 from __future__ import annotations
@@ -195,13 +195,14 @@ def test_cut_host_fails_within_the_timeout_and_resumes_on_two_hosts(stage15, tmp
     saved = int((ckpts / "latest").read_text().strip().removeprefix("global_step"))
     lost = reached - saved
     assert 0 <= lost <= json.loads(Path(CONFIG).read_text())["wonderland"]["save_interval"]
-    # The remaining two hosts continue through the universal checkpoint (world 3 -> 2).
+    # The remaining two hosts continue, the 3 saved partitions resharded at load time.
     r = train(run_dir, "--stage", "16", "--resume", "auto", "--hostfile", "hostfiles/netns2")
     assert r.returncode == 0, out(r)
-    assert "universal" in r.stdout, out(r)
+    assert "resharding at load time" in r.stdout and "(resharded)" in r.stdout, out(r)
     assert [x["host"] for x in ranks(run_dir, 16)] == HOSTS[:2]
     entry = json.loads((run_dir / "run.json").read_text())["stages"]["16"]
     assert entry["status"] == "ok" and entry["world_size"] == 2, entry
+    assert entry["resume"]["load"] == "resharded" and entry["resume"]["from_world_size"] == 3
     done = (ckpts / "latest").read_text().strip()
     meta = json.loads((ckpts / done / "wonderland_meta.json").read_text())
     assert meta["world_size"] == 2 and meta["global_step"] > saved

@@ -194,6 +194,7 @@ class TensorStub:
 class _Storage:
     kind: str
     numel: int
+    key: str = ""
 
 
 class Opaque:
@@ -207,6 +208,23 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"Opaque({self.name})"
+
+
+class OpaqueObject:
+    """Stand-in instance built by NEWOBJ or a call: keeps its arguments and state."""
+
+    qualname = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
+        obj = super().__new__(cls)
+        obj.args = args
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
 
 
 class _Global:
@@ -259,7 +277,8 @@ class _Peeker(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             kind = pid[1].name if isinstance(pid[1], _Global) else str(pid[1])
-            return _Storage(kind.rpartition(".")[2], int(pid[4]))
+            kind = getattr(pid[1], "qualname", kind)  # the mapper's stand-in types
+            return _Storage(kind.rpartition(".")[2], int(pid[4]), str(pid[2]))
         raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
 
 
@@ -268,3 +287,135 @@ def peek(path: Path | str, allowed: frozenset[str] = frozenset(), trust: bool = 
     global an inert :class:`Opaque`; nothing the file names is imported or called. A global
     outside torch's allowlist and ``allowed`` raises pickle.UnpicklingError unless ``trust``."""
     return _Peeker(_data_pkl(path), allowed, trust).load()
+
+
+#: numpy's dtype for a storage type's elements (bfloat16 has none: its bits as uint16).
+_NUMPY_DTYPES = {
+    "FloatStorage": "float32",
+    "DoubleStorage": "float64",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "uint16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a contiguous tensor of a ``torch.save`` file lies: the file, the byte offset of
+    its first element and its element type. :meth:`array` maps it (no bytes read until used)."""
+
+    path: str
+    offset: int
+    storage: str
+    shape: tuple[int, ...]
+    contiguous: bool
+
+    @property
+    def dtype(self) -> str:
+        return _NUMPY_DTYPES.get(self.storage, "")
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def array(self) -> Any:
+        """The tensor's elements as a flat, read-only ``numpy.memmap`` (copy-on-write, so a
+        ``torch.from_numpy`` view of it is legal); nothing is read until sliced."""
+        import numpy as np
+
+        if not self.dtype or not self.contiguous:
+            raise ValueError(
+                f"cannot map a {self.storage} tensor (non-contiguous or no numpy type)"
+            )
+        if self.numel() == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(
+            self.path, dtype=self.dtype, mode="c", offset=self.offset, shape=(self.numel(),)
+        )
+
+
+def _record_offsets(path: Path | str) -> tuple[bytes, dict[str, int]]:
+    """``data.pkl`` and the byte offset of every stored (uncompressed) record's data, by name."""
+    data = _data_pkl(path)
+    offsets: dict[str, int] = {}
+    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                continue
+            fh.seek(info.header_offset)
+            local = fh.read(30)
+            if local[:4] != b"PK\x03\x04":
+                raise ValueError(f"{path}: damaged zip record {info.filename}")
+            name_len, extra_len = unpack("<HH", local[26:30])
+            offsets[info.filename] = info.header_offset + 30 + name_len + extra_len
+    return data, offsets
+
+
+class _Mapper(_Peeker):
+    """:class:`_Peeker` whose tensors are :class:`TensorRef` (their place in the file)."""
+
+    def __init__(self, path: Path | str, allowed: frozenset[str], trust: bool) -> None:
+        data, self.offsets = _record_offsets(path)
+        super().__init__(data, allowed, trust)
+        self.path = str(path)
+        self.folder = next(iter(self.offsets), "archive/").split("/")[0]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" in _REBUILDS:
+            return self._rebuild
+        found = super().find_class(module, name)
+        if isinstance(found, _Global):  # a type, so NEWOBJ (enums, named tuples) builds it too
+            return type(name, (OpaqueObject,), {"qualname": found.name})
+        return found
+
+    def _rebuild(
+        self, storage: Any, offset: Any = 0, size: Any = (), stride: Any = (), *rest: Any
+    ) -> TensorRef:
+        if not isinstance(storage, _Storage):
+            raise pickle.UnpicklingError("a tensor without a storage record")
+        shape = tuple(int(d) for d in size)
+        want: list[int] = []
+        step = 1
+        for d in reversed(shape):  # the strides of a contiguous tensor of this shape
+            want.insert(0, step)
+            step *= d
+        record = f"{self.folder}/data/{storage.key}"
+        if record not in self.offsets:
+            raise pickle.UnpicklingError(f"tensor data {record} is missing or compressed")
+        item = _ITEMSIZE.get(storage.kind, 0)
+        return TensorRef(
+            self.path,
+            self.offsets[record] + int(offset) * item,
+            storage.kind,
+            shape,
+            all(a == b for a, b, d in zip(stride, want, shape) if d > 1),
+        )
+
+
+_ITEMSIZE = {
+    "FloatStorage": 4,
+    "DoubleStorage": 8,
+    "HalfStorage": 2,
+    "BFloat16Storage": 2,
+    "LongStorage": 8,
+    "IntStorage": 4,
+    "ShortStorage": 2,
+    "CharStorage": 1,
+    "ByteStorage": 1,
+    "BoolStorage": 1,
+}
+
+
+def map_tensors(
+    path: Path | str, allowed: frozenset[str] = frozenset(), trust: bool = False
+) -> Any:
+    """Like :func:`peek`, with every tensor a :class:`TensorRef`: the data can then be read
+    range by range, memory-mapped, without torch and without reading the rest of the file."""
+    return _Mapper(path, allowed, trust).load()

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.checkpoint import zero_layout
 from wonderland_ds.checkpoint.contract import export_hashes, import_hashes, stat_key
 from wonderland_ds.config import stages
 from wonderland_ds.config.ds_config import DSConfig, deepspeed_dict, load_json, validate
@@ -173,6 +174,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[Sta
         precision=cfg.precision,
         overrides=overrides(args),
         own_folder=not getattr(args, "rerun_pending", False),
+        reshard_blocker=zero_layout.target_blocker(ds_dict),
     )
     required = st.preflight or args.optimizer_state or args.scheduler_state
     if not required:

@@ -17,7 +17,7 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -84,6 +84,24 @@ def replace_stage(run_dir: Path, stage: int, entry: dict[str, Any]) -> None:
     atomic_write_text(run_dir / NAME, json.dumps(data, indent=2, sort_keys=True))
 
 
+class ResumeRecord(BaseModel):
+    """How a stage loaded its checkpoint: as saved, resharded at load time, or universal."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    load: Literal["as saved", "resharded", "universal"]
+    from_world_size: int | None = None
+    """Resharded: the world size that saved the checkpoint."""
+    bytes_read: list[int] = []
+    """Resharded: per rank, the bytes of the saved partitions it read."""
+    io_read_bytes: list[int | None] = []
+    """Resharded: per rank, what it read from storage while loading (``/proc/self/io``)."""
+    seconds: float | None = None
+    """Resharded: the slowest rank's load time."""
+    because: str | None = None
+    """Universal after a planned reshard: why the engine could not take it."""
+
+
 class StageRecord(BaseModel):
     """One stage's entry of ``run.json``, as the front and the ranks read it back. The fields
     listed are typed; stage-specific ones (a report's figures, a gate) are kept as written."""
@@ -111,6 +129,7 @@ class StageRecord(BaseModel):
     error: str | None = None
     failed_hosts: list[str] = []
     failed_rank: int | None = None
+    resume: ResumeRecord | None = None
 
 
 def stage_record(run_dir: Path, stage: int) -> StageRecord:

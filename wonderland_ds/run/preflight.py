@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from wonderland_ds.checkpoint import contract as ck
+from wonderland_ds.checkpoint import zero_layout
 from wonderland_ds.checkpoint.describe import describe, resolve_tag_dir
+from wonderland_ds.checkpoint.zero_layout import SourceLayout
 from wonderland_ds.config import stages
 from wonderland_ds.core.findings import Finding
 from wonderland_ds.data.sampler import ORDER
@@ -28,7 +30,14 @@ class Plan:
     """The checkpoint folder to load (None: fresh start)."""
     source_info: dict[str, Any] = field(default_factory=dict)
     universal: bool = False
-    """World size, ZeRO stage or precision changed: load through a universal checkpoint."""
+    """Load through a universal checkpoint (``ds_to_universal``): a change the load-time
+    reshard does not cover, or versions that differ from the checkpoint's."""
+    reshard: bool = False
+    """World size (or ZeRO-1 <-> 2) changed: every rank reads its share of the saved
+    partitions at load time (``checkpoint/reshard.py``)."""
+    layout: SourceLayout | None = None
+    """The checkpoint's partition layout and reference norms, when the world changed and the
+    layout is known: the reshard's map and the check after any changed-layout load."""
     continuing: bool = False
     """The source is this stage's own checkpoint (an interrupted stage resumed)."""
     findings: list[Finding] = field(default_factory=list)
@@ -38,6 +47,14 @@ class Plan:
             "stage": self.stage,
             "source": str(self.source) if self.source else None,
             "universal": self.universal,
+            "reshard": self.reshard,
+            "source_layout": None
+            if self.layout is None
+            else {
+                "zero_stage": self.layout.zero_stage,
+                "world_size": self.layout.world_size,
+                "parameters": len(self.layout.norms),
+            },
             "continuing": self.continuing,
             "findings": [f.to_dict() for f in self.findings],
         }
@@ -227,9 +244,11 @@ def check(
     precision: str,
     overrides: set[str] = frozenset(),  # type: ignore[assignment]
     own_folder: bool = True,
+    reshard_blocker: str | None = None,
 ) -> Plan:
     """``own_folder=False``: a new attempt of the stage, whose old folder is about to be
-    moved aside, never resumes from it."""
+    moved aside, never resumes from it. ``reshard_blocker``: why the new config cannot take
+    a load-time reshard (offload to NVMe, parameter alignment...), or None."""
     plan = Plan(stage)
     source, continuing, found = resolve(resume, run_dir, stage, own_folder)
     plan.findings += found
@@ -322,15 +341,6 @@ def check(
         )
         if info.get(k) is not None and info.get(k) != v
     ]
-    if changed:
-        plan.universal = True
-        plan.findings.append(
-            Finding(
-                "topology",
-                "info",
-                f"{', '.join(changed)}: loading through a universal checkpoint (ds_to_universal)",
-            )
-        )
     saved = info.get("versions") or {}
     installed = manifest.versions()
     drift = [
@@ -342,7 +352,6 @@ def check(
         # DeepSpeed's own checkpoint layout changes between versions; the universal format is
         # the one it promises to read back, so load through it (converted by the installed
         # DeepSpeed) instead of hoping the raw shards still fit.
-        plan.universal = True
         plan.findings.append(
             Finding(
                 "version-drift",
@@ -353,4 +362,72 @@ def check(
                 str(source),
             )
         )
+    if changed or drift:
+        _layout_change(
+            plan, source, changed, drift, info.get("zero_stage"), zero_stage, reshard_blocker
+        )
     return plan
+
+
+def _layout_change(
+    plan: Plan,
+    source: Path,
+    changed: list[str],
+    drift: list[str],
+    old_zero: Any,
+    zero_stage: int,
+    blocker: str | None,
+) -> None:
+    """Reshard at load time where the layout is known and only the world size (or ZeRO-1 <-> 2)
+    changed; else DeepSpeed's universal path. Either way, with a known layout, the source's
+    per-parameter norms for the check after the load."""
+    try:
+        plan.layout = zero_layout.read_source(source)
+        unknown = None
+    except zero_layout.UnknownLayout as exc:
+        unknown = f"layout not known to the reader ({exc})"
+    family = {1: "zero12", 2: "zero12", 3: "zero3"}
+    if old_zero in family and family.get(old_zero) != family.get(zero_stage):
+        # DeepSpeed 0.19's engine looks for the model-states files of its own stage (one per
+        # rank under ZeRO-3, one in all under ZeRO-1/2), in a universal folder too.
+        plan.findings.append(
+            Finding(
+                "topology",
+                "error",
+                f"zero_stage {old_zero} -> {zero_stage}: DeepSpeed cannot load a ZeRO-{old_zero}"
+                f" checkpoint into a ZeRO-{zero_stage} engine, not even through a universal"
+                " checkpoint (its loader looks for the other stage's model-states files)",
+                f"resume with zero_optimization.stage {old_zero}"
+                + (" (or 1 and 2: they interchange)" if old_zero != 3 else ""),
+                str(source),
+                "zero_optimization.stage",
+            )
+        )
+        return
+    why = (
+        unknown
+        or ("versions differ" if drift else None)
+        or ("precision changed" if any(c.startswith("precision") for c in changed) else None)
+        or blocker
+    )
+    what = ", ".join(changed) or "versions"
+    if why is None:
+        plan.reshard = True
+        assert plan.layout is not None
+        plan.findings.append(
+            Finding(
+                "topology",
+                "info",
+                f"{what}: resharding at load time (each rank reads its share of the"
+                f" {plan.layout.world_size} saved partitions; no conversion)",
+            )
+        )
+        return
+    plan.universal = True
+    plan.findings.append(
+        Finding(
+            "topology",
+            "info",
+            f"{what}: loading through a universal checkpoint (ds_to_universal): {why}",
+        )
+    )

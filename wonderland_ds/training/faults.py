@@ -19,6 +19,9 @@ first) to ``until`` (default: forever).
                               per file (RLIMIT_FSIZE, a real EFBIG from the kernel: a full disk)
 ``hang@step:step=25:rank=1``  rank 1 SIGSTOPs itself right after optimizer step 25 (a frozen
                               process: the others block in their next collective)
+``skew@load:rank=1``          after a resume that changed the layout, rank 1's first optimizer
+                              moment is shifted by one element (a misplaced range), before the
+                              check of the loaded state
 ==========================  ======================================================================
 
 Every injected fault prints ``FAULT INJECTED: ...`` to stderr when it first acts, so a test can
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is not imported by `wonderland check` (it must stay fast)
     import torch
 
-KINDS = ("kill", "nan", "spike", "drop", "slow", "perturb", "hang", "diskfull")
+KINDS = ("kill", "nan", "spike", "drop", "slow", "perturb", "hang", "diskfull", "skew")
 POINTS = (
     "step",
     "grad",
@@ -52,6 +55,7 @@ POINTS = (
     "save-retain-renamed",
     "save-before-meta",
     "save-before-latest",
+    "load",
 )
 ONE_SHOT = ("kill", "nan", "spike", "hang")
 _VALID = {
@@ -63,6 +67,7 @@ _VALID = {
     "perturb": ("step",),
     "hang": ("step",),
     "diskfull": ("save",),
+    "skew": ("load",),
 }
 
 
@@ -240,3 +245,14 @@ def limit_file_size(plan: FaultPlan, step: int, rank: int) -> None:
         plan.announce(f, step, rank)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an OSError instead of a dead process
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+
+def skew_loaded(plan: FaultPlan, optimizer: torch.optim.Optimizer, step: int, rank: int) -> None:
+    """skew: shift this rank's first partitioned optimizer state by one element."""
+    for f in plan.at("load", step, rank, "skew"):
+        for state in optimizer.state.values():
+            key = next((k for k in sorted(state) if state[k].dim() > 0), None)
+            if key is not None:
+                plan.announce(f, step, rank)
+                state[key].copy_(state[key].roll(1))
+                return

@@ -13,6 +13,7 @@ from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import Finding, Refused, has_errors, render
 from wonderland_ds.run.inputs import StageInputs
+from wonderland_ds.run.manifest import ResumeRecord
 from wonderland_ds.run.preflight import Plan
 from wonderland_ds.training import faults
 from wonderland_ds.training.build import build, restore_module_extras, sync_lr
@@ -48,6 +49,86 @@ def _universal_source(plan: Plan, run_dir: Path, stage: int) -> Path:
     if dist.is_main():
         render(found, False)
     return Path(path_s)
+
+
+def _restore(
+    run: StageRun, plan: Plan, norm: Any, fault: faults.FaultPlan
+) -> tuple[Any, list[Finding], ResumeRecord]:
+    """Build the engine and load the plan's checkpoint: as saved, resharded at load time, or
+    through a universal checkpoint. After any load that changed the layout, the loaded fp32
+    weights and moments are checked against the source's norms. (engine, findings, how)."""
+    from wonderland_ds.checkpoint import reshard
+
+    assert plan.source is not None
+    load_dir, tag = plan.source.parent, plan.source.name
+    how = ResumeRecord(load="universal" if plan.universal else "as saved")
+    if plan.reshard:
+        assert plan.layout is not None
+        engine = build(run, norm)
+        why = reshard.unsupported(engine, plan.layout)
+        if why is None:
+            report = reshard.load(engine, plan.source, plan.layout)
+            found = sync_lr(engine) + _checked(engine, plan, fault)
+            reads = dist.gather_all((report.bytes_read, report.io_read_bytes, report.seconds))
+            how = ResumeRecord(
+                load="resharded",
+                from_world_size=plan.layout.world_size,
+                bytes_read=[b for b, _, _ in reads],
+                io_read_bytes=[io for _, io, _ in reads],
+                seconds=round(max(s for _, _, s in reads), 3),
+            )
+            log(
+                f"resharded {plan.source.name} from {plan.layout.world_size} to"
+                f" {dist.world_size()} ranks in {how.seconds:.2f} s: each rank read"
+                f" {max(how.bytes_read) / 1e6:.1f} MB or less of the saved partitions"
+            )
+            return engine, found, how
+        log(f"cannot reshard into this engine ({why}): loading through a universal checkpoint")
+        how = ResumeRecord(load="universal", because=why)
+        del engine
+    if how.load == "universal":
+        uni = _universal_source(plan, run.run_dir, run.stage)
+        run.ds_dict = {
+            **run.ds_dict,
+            "checkpoint": {**run.ds_dict.get("checkpoint", {}), "load_universal": True},
+        }
+        load_dir, tag = uni.parent, uni.name
+    engine = build(run, norm)
+    path, _client = engine.load_checkpoint(
+        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:  # DeepSpeed only warns and starts fresh: never allow that silently
+        raise Refused(
+            Finding(
+                "ckpt-load",
+                "error",
+                f"DeepSpeed returned no checkpoint for {load_dir}/{tag}",
+                "check the folder with `wonderland inspect`",
+                str(plan.source),
+            )
+        )
+    found = sync_lr(engine)
+    if how.load == "universal":
+        found += restore_module_extras(engine, plan.source)
+        found += _checked(engine, plan, fault)
+    return engine, found, how
+
+
+def _checked(engine: Any, plan: Plan, fault: faults.FaultPlan) -> list[Finding]:
+    """The check of the loaded optimizer state against the source's norms."""
+    from wonderland_ds.checkpoint import reshard
+
+    faults.skew_loaded(fault, engine.optimizer.optimizer, int(engine.global_steps), dist.rank())
+    if plan.layout is None:
+        return [
+            Finding(
+                "reshard-check",
+                "warn",
+                "the loaded optimizer state was not checked: the checkpoint's layout is not one"
+                " the reader knows, so there are no reference norms",
+            )
+        ]
+    return reshard.check(engine, plan.layout)
 
 
 def train(
@@ -92,31 +173,7 @@ def train(
                 )
             )
         norm = (np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32))
-    load_dir, tag = plan.source.parent, plan.source.name
-    if plan.universal:
-        uni = _universal_source(plan, run_dir, args.stage)
-        run.ds_dict = {
-            **run.ds_dict,
-            "checkpoint": {**run.ds_dict.get("checkpoint", {}), "load_universal": True},
-        }
-        load_dir, tag = uni.parent, uni.name
-    engine = build(run, norm)
-    path, _client = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
-    if path is None:  # DeepSpeed only warns and starts fresh: never allow that silently
-        raise Refused(
-            Finding(
-                "ckpt-load",
-                "error",
-                f"DeepSpeed returned no checkpoint for {load_dir}/{tag}",
-                "check the folder with `wonderland inspect`",
-                str(plan.source),
-            )
-        )
-    found = sync_lr(engine)
-    if plan.universal:
-        found += restore_module_extras(engine, plan.source)
+    engine, found, how = _restore(run, plan, norm, fault)
     if norm is not None:
         norm_ok = torch.allclose(engine.module.norm.mean.float(), torch.from_numpy(norm[0]))
         found.append(
@@ -147,7 +204,8 @@ def train(
     )
     log(
         f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
-        f" sample {prog.samples_consumed}" + (" (universal)" if plan.universal else "")
+        f" sample {prog.samples_consumed}"
+        + {"universal": " (universal)", "resharded": " (resharded)"}.get(how.load, "")
     )
     if plan.continuing and args.steps is None:
         # An interrupted stage ends where it was going to end (a `--steps N` given to the first
@@ -161,4 +219,4 @@ def train(
         if isinstance(recorded, int) and recorded > prog.stage_start_step:
             run.steps = recorded - prog.stage_start_step
             log(f"stage {args.stage}: continuing to step {recorded} (recorded in run.json)")
-    return fit(run, engine, prog, log, _verify(run))
+    return fit(run, engine, prog, log, _verify(run)) | {"resume": how.model_dump()}

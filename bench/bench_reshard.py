@@ -1,0 +1,155 @@
+"""Resume on another world size: resharded at load time against a same-size resume.
+
+    .venv/bin/python bench/bench_reshard.py --reps 3 --out /tmp/reshard.json
+
+Two stage-15 runs of the 25.5M-parameter GPT (ZeRO-2 bf16, the checkpoint ~358 MB: bf16
+weights, fp32 master weights and both Adam moments) are made, one on 2 ranks and one on 3.
+Then, alternating sides each repetition (the machine is noisy), each from a fresh copy of its
+run folder with the page cache dropped (root) so both read the checkpoint from the disk:
+
+* ``same``: ``wonderland train --stage 16 --steps 1`` on 2 ranks resuming the 2-rank checkpoint;
+* ``resharded``: the same command on 2 ranks resuming the 3-rank checkpoint (every rank reads
+  its share of the 3 saved partitions at load time).
+
+Each side is timed from the command's start to its exit. Also measured: bytes written into the
+run folder besides the stage's own new checkpoint (files new or changed outside
+``stage16/checkpoints``), per rank the bytes of the saved partitions it copied against its
+share of them, and what each rank read from storage while resharding (``/proc/self/io``); the
+reshard's read throughput (all ranks' bytes over the slowest rank's seconds) against the
+disk's sequential read speed measured in the same run (``bench/disk.py``, cold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+from bench_resume import BIN, config, disk_speeds, run, tree_bytes  # noqa: E402
+
+from wonderland_ds.checkpoint import zero_layout as zl  # noqa: E402
+
+HOSTFILES = {2: "hostfiles/localhost", 3: "hostfiles/localhost3"}
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def stage15(cfg: Path, work: Path, world: int) -> Path:
+    src = work / f"saved-by-{world}"
+    cmd = [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(cfg)]
+    run(cmd + ["--run-dir", str(src), "--hostfile", HOSTFILES[world]], work / f"s15-{world}.log")
+    return src
+
+
+def latest(stage_dir: Path) -> Path:
+    root = stage_dir / "checkpoints"
+    return root / (root / "latest").read_text().strip()
+
+
+def resume(cfg: Path, src: Path, work: Path, name: str) -> dict:
+    run_dir = work / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(src, run_dir, symlinks=True)
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
+    cold = drop_caches()
+    cmd = [str(BIN / "wonderland"), "train", "--stage", "16", "--config", str(cfg)]
+    cmd += ["--run-dir", str(run_dir), "--resume", "auto", "--steps", "1"]
+    cmd += ["--hostfile", HOSTFILES[2]]
+    t0 = time.perf_counter()
+    run(cmd, work / f"{name}.log")
+    took = time.perf_counter() - t0
+    own = run_dir / "stage16" / "checkpoints"
+    written = [
+        p
+        for p in run_dir.rglob("*")
+        if p.is_file() and own not in p.parents and before.get(p) != p.stat().st_mtime_ns
+    ]
+    entry = json.loads((run_dir / "run.json").read_text())["stages"]["16"]
+    out = {
+        "seconds": took,
+        "cold": cold,
+        "written_besides_checkpoint_bytes": sum(p.stat().st_size for p in written),
+        "largest_written": max(((p.stat().st_size, p.name) for p in written), default=None),
+        "universal_folders": len(list(run_dir.rglob("*_universal"))),
+        "resume": entry.get("resume"),
+    }
+    shutil.rmtree(run_dir)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = ap.parse_args()
+    os.environ["WL_BENCH_DIM"], os.environ["WL_BENCH_LAYERS"] = str(args.dim), str(args.layers)
+    work = Path(tempfile.mkdtemp(prefix="wl-bench-reshard-"))
+    try:
+        cfg = config(work, args.dim, args.layers)
+        src = {w: stage15(cfg, work, w) for w in (2, 3)}
+        ckpt3 = latest(src[3] / "stage15")
+        layout = zl.read_source(ckpt3, norms=False)
+        # Each new rank's share: fp32 weights and both moments (4 bytes each) of its partition.
+        share = 12 * sum(zl.partition_numel(layout.family(), g, 2) for g in layout.groups)
+        result: dict = {
+            "dim": args.dim,
+            "layers": args.layers,
+            "checkpoint_bytes": {w: tree_bytes(latest(src[w] / "stage15")) for w in (2, 3)},
+            "share_bytes_per_rank": share,
+            "disk": disk_speeds(work),
+        }
+        sides: dict[str, list[dict]] = {"same": [], "resharded": []}
+        for i in range(args.reps):
+            order = ("same", "resharded") if i % 2 == 0 else ("resharded", "same")
+            for side in order:
+                sides[side].append(resume(cfg, src[2 if side == "same" else 3], work, side))
+        result["runs"] = sides
+        same = [r["seconds"] for r in sides["same"]]
+        resh = [r["seconds"] for r in sides["resharded"]]
+        loads = [r["resume"] for r in sides["resharded"]]
+        moved = [sum(x["bytes_read"]) / x["seconds"] for x in loads]
+        result["summary"] = {
+            "same_median_s": statistics.median(same),
+            "resharded_median_s": statistics.median(resh),
+            "ratio_median": statistics.median(resh) / statistics.median(same),
+            "ratio_paired_median": statistics.median(b / a for a, b in zip(same, resh)),
+            "written_besides_checkpoint_bytes_max": max(
+                r["written_besides_checkpoint_bytes"] for r in sides["resharded"]
+            ),
+            "universal_folders": sum(r["universal_folders"] for r in sides["resharded"]),
+            "bytes_read_per_rank_max": max(max(x["bytes_read"]) for x in loads),
+            "io_read_bytes_per_rank_max": max(max(x["io_read_bytes"] or [0]) for x in loads),
+            "share_bytes_per_rank": share,
+            "reshard_seconds_median": statistics.median(x["seconds"] for x in loads),
+            "reshard_read_Bps_median": statistics.median(moved),
+            "reshard_vs_disk_read": statistics.median(moved) / result["disk"]["read_Bps"],
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(json.dumps(result["summary"], indent=2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Resuming a ZeRO-1/2/3 checkpoint on another world size, resharded at load time.
+
+Every rank maps the old shards (``torch.load(mmap=True)``: only the pickles are read) and
+copies, for each flat group, just the element ranges its new partition needs
+(:func:`~wonderland_ds.checkpoint.zero_layout.transfers`) straight into the engine's fp32
+partition and into the optimizer-state tensors it is about to own. DeepSpeed's own
+``optimizer.load_state_dict`` then takes them as if this rank had saved them at this world
+size (it links the parameters, restores the loss scaler and, under ZeRO-3, the 16-bit
+partitions). No universal folder is written and no rank reads another rank's share.
+
+:func:`check` compares, per parameter, the norms of the loaded fp32 weights and moments (found
+through DeepSpeed's own parameter-to-partition mapping, one all-reduce) with the norms the front
+computed from the source shards: a mismatch refuses the stage naming the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wonderland_ds.checkpoint import zero_layout as zl
+from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.findings import Finding, Refused
+
+#: Relative tolerance of the post-load check (float64 sums of the same fp32 values agree to
+#: ~1e-15; a misplaced range changes a parameter's norm by far more).
+RTOL = 1e-6
+
+#: What DeepSpeed's engine restores itself; every other top-level key is client state.
+_DS_STATES = (
+    "module",
+    "optimizer",
+    "lr_scheduler",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "data_sampler",
+    "random_ltd",
+    "param_shapes",
+    "buffer_names",
+    "frozen_param_shapes",
+    "frozen_param_fragments",
+    "shared_params",
+    "ds_config",
+    "ds_version",
+    "checkpoint_parallel_dimensions",
+    "universal_checkpoint_info",
+)
+
+
+@dataclass
+class Report:
+    """What this rank read to reshard."""
+
+    bytes_read: int = 0
+    """Bytes of the old shards' tensors copied (fp32 weights, states, frozen fragments)."""
+    io_read_bytes: int | None = None
+    """What this process read from storage meanwhile (``/proc/self/io``; None elsewhere):
+    the bytes above plus the pickles and the kernel's readahead around each range."""
+    files: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def unsupported(engine: Any, layout: zl.SourceLayout) -> str | None:
+    """Why this engine cannot take ``layout`` resharded (the universal path then), or None."""
+    opt = engine.optimizer
+    family = "zero3" if engine.zero_optimization_stage() == 3 else "zero12"
+    if engine.zero_optimization_stage() not in (1, 2, 3) or opt is None:
+        return "the engine has no ZeRO optimizer"
+    if family != layout.family():
+        return f"ZeRO stage {layout.zero_stage} -> {engine.zero_optimization_stage()}"
+    if getattr(engine, "has_moe_layers", False) or engine.mp_world_size != 1:
+        return "expert, tensor or pipeline parallel"
+    needed: tuple[str, ...]
+    if family == "zero3":
+        needed = ("fp16_groups", "fp32_partitioned_groups_flat", "load_state_dict")
+        if getattr(opt, "swap_optimizer", False) or getattr(opt, "offload_param", False):
+            return "ZeRO-3 offload to NVMe or of parameters"
+    else:
+        needed = (
+            "round_robin_bit16_groups",
+            "single_partition_of_fp32_groups",
+            "groups_padding",
+            "round_robin_bit16_padding",
+            "partition_count",
+            "load_state_dict",
+        )
+        if any(any(p) for p in getattr(opt, "round_robin_bit16_padding", [[1]])):
+            return "parameter_alignment is on"
+        if getattr(opt, "round_robin_gradients", False):
+            return "round_robin_gradients is on"
+    missing = [n for n in needed if not hasattr(opt, n)]
+    return f"DeepSpeed's optimizer lacks {missing}" if missing else None
+
+
+def _groups(engine: Any) -> list[list[Any]]:
+    """The engine's flat groups of parameters, in their flat order."""
+    opt = engine.optimizer
+    return (
+        opt.fp16_groups if engine.zero_optimization_stage() == 3 else opt.round_robin_bit16_groups
+    )
+
+
+def _spans(engine: Any, params: list[Any]) -> list[zl.ParamSpan]:
+    names = engine.param_names
+    return [
+        zl.ParamSpan(name=names[p], numel=int(getattr(p, "ds_numel", 0) or p.numel()))
+        for p in params
+    ]
+
+
+class _Sources:
+    """The old shards, mapped on first use; counts the bytes copied out of them."""
+
+    def __init__(self, files: list[Path], report: Report) -> None:
+        self.files, self.report = files, report
+        self._open: dict[int, Any] = {}
+
+    def get(self, rank: int) -> Any:
+        if rank not in self._open:
+            # weights_only=False as DeepSpeed loads; the front scanned every pickle's globals.
+            self._open[rank] = torch.load(
+                self.files[rank], map_location="cpu", mmap=True, weights_only=False
+            )
+            self.report.files.append(self.files[rank].name)
+        return self._open[rank]
+
+    def fill(self, dest: torch.Tensor, copies: list[zl.Copy], pick: Any) -> None:
+        """Copy each range into ``dest`` (flat) from ``pick(shard)`` of its source rank."""
+        flat = dest.detach().view(-1)
+        for c in copies:
+            src = pick(self.get(c.rank)).view(-1)
+            flat.narrow(0, c.dst, c.numel).copy_(src.narrow(0, c.src, c.numel))
+            self.report.bytes_read += c.numel * src.element_size()
+
+
+def _fill_group(
+    sources: _Sources,
+    layout: zl.SourceLayout,
+    g: int,
+    new: list[zl.ParamSpan],
+    fp32: torch.Tensor,
+    world: int,
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Fill this rank's fp32 partition of group ``g`` in place; its states, new tensors."""
+    old = layout.groups[g]
+    if sorted(p.name for p in old) != sorted(p.name for p in new) or {
+        p.name: p.numel for p in old
+    } != {p.name: p.numel for p in new}:
+        gone = sorted({p.name for p in old} ^ {p.name for p in new})
+        raise Refused(
+            Finding(
+                "reshard-params",
+                "error",
+                f"group {g}: the model's trainable parameters differ from the checkpoint's"
+                f" (names or sizes{': ' + ', '.join(gone[:5]) if gone else ''})",
+                "resume with the model the checkpoint was trained with",
+            )
+        )
+    copies = zl.transfers(layout.family(), old, new, layout.world_size, world, rank)
+    fp32.detach().zero_()  # the padding too: DeepSpeed leaves it uninitialized
+    sources.fill(fp32, copies, lambda sd: zl.flat_fp32(sd["optimizer_state_dict"])[g])
+    states = {}
+    for key in layout.state_keys:
+        t = torch.zeros_like(fp32)
+        sources.fill(
+            t, copies, lambda sd, k=key: zl._base(sd["optimizer_state_dict"])["state"][g][k]
+        )
+        states[key] = t
+    return states
+
+
+def _base_state(first: dict[str, Any], states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The wrapped torch optimizer's state dict for this rank: the resharded tensors, and
+    what is not partitioned (Adam's step, the hyperparameters) from the source's rank 0."""
+    base = zl._base(first)
+    out = {}
+    for g, mine in enumerate(states):
+        replicated = {
+            k: (v.clone() if torch.is_tensor(v) else v)
+            for k, v in base["state"][g].items()
+            if k not in mine
+        }
+        out[g] = replicated | mine
+    return {"state": out, "param_groups": base["param_groups"]}
+
+
+def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
+    """Restore ``tag_dir`` (saved at ``layout.world_size``) into ``engine``: weights, fp32
+    master weights, optimizer state, scheduler and counters. Raises Refused on a mismatch."""
+    t0, io0 = time.perf_counter(), _storage_reads()
+    report = Report()
+    opt = engine.optimizer
+    world, rank = dist.world_size(), dist.rank()
+    optim = [tag_dir / layout.optim_file(r) for r in range(layout.world_size)]
+    sources = _Sources(optim, report)
+    if layout.family() == "zero12":
+        path, _ = engine.load_checkpoint(
+            str(tag_dir.parent),
+            tag=tag_dir.name,
+            load_optimizer_states=False,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise Refused(f"DeepSpeed loaded nothing from {tag_dir}", "inspect the checkpoint")
+        fp32s = opt.single_partition_of_fp32_groups
+        states = [
+            _fill_group(sources, layout, g, _spans(engine, params), fp32s[g], world, rank)
+            for g, params in enumerate(_groups(engine))
+        ]
+        first = sources.get(0)["optimizer_state_dict"]
+        sd = dict(first)
+        sd.update(
+            base_optimizer_state=_base_state(first, states),
+            single_partition_of_fp32_groups=list(fp32s),
+            group_paddings=list(opt.groups_padding),
+            param_alignment_paddings=opt.round_robin_bit16_padding,
+            partition_count=list(opt.partition_count),
+            param_slice_mappings=getattr(opt, "_param_slice_mappings", None),
+        )
+        opt.load_state_dict(
+            [sd if r == rank else None for r in range(world)],
+            load_optimizer_states=True,
+            load_from_fp32_weights=engine.zero_load_from_fp32_weights(),
+        )
+    else:
+        _load_zero3(engine, tag_dir, layout, sources, world, rank)
+    report.seconds = time.perf_counter() - t0
+    io1 = _storage_reads()
+    report.io_read_bytes = None if io0 is None or io1 is None else io1 - io0
+    return report
+
+
+def _storage_reads() -> int | None:
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _load_zero3(
+    engine: Any,
+    tag_dir: Path,
+    layout: zl.SourceLayout,
+    sources: _Sources,
+    world: int,
+    rank: int,
+) -> None:
+    """ZeRO-3: DeepSpeed's ``load_checkpoint`` opens the model states of this rank's number
+    (absent when the world grew) and copies rank 0's frozen fragments into every rank: the
+    module, frozen fragments, scheduler and counters are restored here instead."""
+    opt = engine.optimizer
+    opt.checkpoint_event_prologue()
+    models = [
+        tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(layout.world_size)
+    ]
+    frozen = _Sources(models, sources.report)
+    states0 = frozen.get(0)
+    engine.load_module_state_dict(
+        checkpoint={"module": states0["module"], "frozen_param_fragments": None}, strict=True
+    )
+    by_name = {n: p for p, n in engine.param_names.items()}
+    for span in layout.frozen:
+        p = by_name.get(span.name)
+        if p is None or not hasattr(p, "ds_tensor"):
+            raise Refused(
+                f"frozen parameter {span.name} of the checkpoint is not a partitioned parameter"
+                " of the model",
+                "resume with the model the checkpoint was trained with",
+            )
+        copies = zl.transfers("zero3", [span], [span], layout.world_size, world, rank)
+        frozen.fill(
+            p.ds_tensor.data, copies, lambda sd, n=span.name: sd["frozen_param_fragments"][n]
+        )
+    if engine.lr_scheduler is not None and states0.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(states0["lr_scheduler"])
+    engine.global_steps = states0["global_steps"]
+    engine.global_samples = states0.get(
+        "global_samples", engine.global_steps * engine.train_batch_size()
+    )
+    engine.skipped_steps = states0["skipped_steps"]
+    engine.loaded_checkpoint_dp_world_size = states0["dp_world_size"]
+    engine.loaded_checkpoint_mp_world_size = states0["mp_world_size"]
+    fp32s = opt.fp32_partitioned_groups_flat
+    states = [
+        _fill_group(sources, layout, g, _spans(engine, params), fp32s[g], world, rank)
+        for g, params in enumerate(_groups(engine))
+    ]
+    first = sources.get(0)["optimizer_state_dict"]
+    sd = dict(first)
+    sd.update(
+        partition_count=opt.partition_count,
+        optimizer_state_dict=_base_state(first, states),
+        fp32_flat_groups=list(fp32s),
+    )
+    opt.load_state_dict(
+        [sd if r == rank else None for r in range(world)], load_optimizer_states=True
+    )
+    opt.checkpoint_event_epilogue()
+
+
+def _local_norms(engine: Any, keys: list[str]) -> dict[str, list[float]]:
+    """This rank's share of each trained parameter's sums (:func:`zl.sums` of the fp32
+    weights and each of ``keys``: plain, then position-weighted), found through DeepSpeed's
+    own mapping of parameters to partitions."""
+    opt = engine.optimizer
+    names = engine.param_names
+    out: dict[str, list[float]] = {}
+
+    def both(t: torch.Tensor | None, first: int) -> list[float]:
+        if t is None:
+            return [math.nan, math.nan]
+        flat = t.detach().reshape(-1).cpu().numpy()
+        return list(zl.sums(flat, 0, flat.size, first))
+
+    if engine.zero_optimization_stage() == 3:
+        rank = dist.rank()
+        for p in engine.module.parameters():
+            if p.requires_grad:
+                # The last ranks' partitions end in padding: only the parameter's own elements.
+                part = p.ds_tensor.ds_numel
+                real = max(0, min(part, p.ds_numel - rank * part))
+                out[names[p]] = [
+                    v
+                    for k in keys
+                    for v in both(
+                        opt.get_local_fp32_param(p, None if k == zl.FP32 else k)[:real],
+                        rank * part,
+                    )
+                ]
+        return out
+    for g, params in enumerate(opt.bit16_groups):
+        flat = opt.single_partition_of_fp32_groups[g]
+        state = opt.optimizer.state.get(flat, {})
+        for p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:  # no element of this parameter on this rank
+                out[names[p]] = [0.0] * (2 * len(keys))
+                continue
+            a, first = mapping.hp_fragment_address, mapping.lp_fragment_address.start
+            out[names[p]] = [
+                v
+                for k in keys
+                for v in both(
+                    mapping.hp_fragment
+                    if k == zl.FP32
+                    else state[k].narrow(0, a.start, a.numel)
+                    if k in state
+                    else None,
+                    first,
+                )
+            ]
+    return out
+
+
+def check(engine: Any, layout: zl.SourceLayout) -> list[Finding]:
+    """The loaded fp32 weights and optimizer moments against the source's, per parameter
+    (one all-reduce of plain and position-weighted sums of squares); an error finding names
+    each parameter that differs."""
+    keys = [zl.FP32, *layout.state_keys]
+    stats = [s for k in keys for s in (k, zl.positional(k))]
+    names = sorted(layout.norms)
+    local = _local_norms(engine, keys)
+    vec = torch.tensor(
+        [v for n in names for v in local.get(n, [0.0] * len(stats))], dtype=torch.float64
+    )
+    got = dist.all_reduce_sum(vec.to(dist.device())).cpu()
+    bad = []
+    for i, name in enumerate(names):
+        for j, stat in enumerate(stats):
+            want, have = layout.norms[name].get(stat, math.nan), float(got[i * len(stats) + j])
+            if not math.isclose(want, have, rel_tol=RTOL, abs_tol=1e-30):
+                what = (
+                    "position-weighted sum of squares" if stat.endswith("@") else "sum of squares"
+                )
+                bad.append(f"{name} {stat.rstrip('@')}: {what} {have:.9g} loaded, {want:.9g} saved")
+    missing = sorted(set(local) - set(names))
+    if missing:
+        bad.append(f"not in the checkpoint: {', '.join(missing[:5])}")
+    if bad:
+        return [
+            Finding(
+                "reshard-check",
+                "error",
+                f"after the load, {len(bad)} optimizer tensor(s) differ from the checkpoint's: "
+                + "; ".join(bad[:5]),
+                "the checkpoint was not restored faithfully: resume on the world size that saved"
+                " it, or convert it with `wonderland convert` and report the difference",
+            )
+        ]
+    return [
+        Finding(
+            "reshard-check",
+            "ok",
+            f"{len(names)} parameters: fp32 weights and {', '.join(layout.state_keys) or 'no state'}"
+            f" match the checkpoint's norms and element positions (rtol {RTOL:g})",
+        )
+    ]
