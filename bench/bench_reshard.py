@@ -14,9 +14,11 @@ run folder with the page cache dropped (root) so both read the checkpoint from t
 Each side is timed from the command's start to its exit. Also measured: bytes written into the
 run folder besides the stage's own new checkpoint (files new or changed outside
 ``stage16/checkpoints``), per rank the bytes of the saved partitions it copied against its
-share of them, and what each rank read from storage while resharding (``/proc/self/io``); the
-reshard's read throughput (all ranks' bytes over the slowest rank's seconds) against the
-disk's sequential read speed measured in the same run (``bench/disk.py``, cold).
+share of them, and what each rank read from storage while resharding (``/proc/self/io``: the
+preflight has just hashed the checkpoint, so little). The reshard's reads alone (the new ranks
+as processes, the same code) are then timed from a dropped page cache: their throughput (all
+ranks' bytes over the slowest rank's seconds) against the disk's sequential read speed
+measured in the same run (``bench/disk.py``, cold).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 from bench_resume import BIN, config, disk_speeds, run, tree_bytes  # noqa: E402
+from disk import read_speed, write_speed  # noqa: E402
 
 from wonderland_ds.checkpoint import zero_layout as zl  # noqa: E402
 
@@ -94,6 +97,51 @@ def resume(cfg: Path, src: Path, work: Path, name: str) -> dict:
     return out
 
 
+def _read_share(tag_dir: Path, layout: zl.SourceLayout, world: int, rank: int, q) -> None:
+    """One new rank's reads, as ``reshard.load`` does them, into fresh partitions."""
+    import torch
+
+    from wonderland_ds.checkpoint import reshard
+
+    report = reshard.Report()
+    t0 = time.perf_counter()
+    files = [tag_dir / layout.optim_file(r) for r in range(layout.world_size)]
+    sources = reshard.Sources(files, report)
+    for g, group in enumerate(layout.groups):
+        copies = zl.transfers(layout.family(), group, group, layout.world_size, world, rank)
+        n = zl.partition_numel(layout.family(), group, world)
+        sources.fill(
+            torch.zeros(n), copies, lambda sd, g=g: zl.flat_fp32(sd["optimizer_state_dict"])[g]
+        )
+        for key in layout.state_keys:
+            sources.fill(
+                torch.zeros(n),
+                copies,
+                lambda sd, g=g, k=key: zl._base(sd["optimizer_state_dict"])["state"][g][k],
+            )
+    q.put((report.bytes_read, time.perf_counter() - t0))
+
+
+def cold_reads(tag_dir: Path, layout: zl.SourceLayout, world: int) -> dict:
+    """The ranks' reads alone, in parallel, from a dropped page cache (the resume itself reads
+    a checkpoint its preflight has just hashed, so from memory)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    cold = drop_caches()
+    procs = [
+        ctx.Process(target=_read_share, args=(tag_dir, layout, world, r, q)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    got = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    moved = sum(b for b, _ in got)
+    return {"cold": cold, "bytes": moved, "seconds": max(t for _, t in got), "per_rank": got}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=512)
@@ -124,6 +172,15 @@ def main() -> None:
             for side in order:
                 sides[side].append(resume(cfg, src[2 if side == "same" else 3], work, side))
         result["runs"] = sides
+        # The reads alone against the disk, side by side: 2x the repetitions (they are short).
+        reads, disk = [], []
+        big = work / "dd.bin"
+        write_speed(work, 1024, keep=True)
+        for _ in range(2 * args.reps):
+            reads.append(cold_reads(ckpt3, layout, 2))
+            disk.append(read_speed(big)[0])
+        big.unlink()
+        result["cold_reads"], result["disk_read_Bps"] = reads, disk
         same = [r["seconds"] for r in sides["same"]]
         resh = [r["seconds"] for r in sides["resharded"]]
         loads = [r["resume"] for r in sides["resharded"]]
@@ -142,7 +199,11 @@ def main() -> None:
             "share_bytes_per_rank": share,
             "reshard_seconds_median": statistics.median(x["seconds"] for x in loads),
             "reshard_read_Bps_median": statistics.median(moved),
-            "reshard_vs_disk_read": statistics.median(moved) / result["disk"]["read_Bps"],
+            "cold_read_Bps_median": statistics.median(r["bytes"] / r["seconds"] for r in reads),
+            "disk_read_Bps_median": statistics.median(disk),
+            "cold_read_vs_disk_read_paired_median": statistics.median(
+                r["bytes"] / r["seconds"] / d for r, d in zip(reads, disk)
+            ),
         }
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(json.dumps(result["summary"], indent=2))

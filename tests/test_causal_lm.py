@@ -231,7 +231,10 @@ def test_example_runs_stages_15_to_18_and_its_export_reloads(tmp_path):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in export.iterdir()
     }
-    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    # Stage 17 evaluated in the training dtype (bf16) from the engine's module weights, which
+    # are the fp32 master weights rounded: the export cast to bf16 gives its losses, to the
+    # bf16 rounding of forward passes over other batch shapes.
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval().to(torch.bfloat16)
     transformers.AutoTokenizer.from_pretrained(export)
     seq = json.loads(cfg.read_text())["wonderland"]["data"]["seq_len"]
     for source, row in per.items():
@@ -246,5 +249,5 @@ def test_example_runs_stages_15_to_18_and_its_export_reloads(tmp_path):
             total += float(loss) * (window.shape[1] - 1)
             count += window.shape[1] - 1
         assert count == row["tokens"]
-        assert abs(total / count - row["loss"]) <= 1e-5 * row["loss"], (source, total / count, row)
+        assert abs(total / count - row["loss"]) <= 2e-3 * row["loss"], (source, total / count, row)
     shutil.rmtree(run / "stage15", ignore_errors=True)  # keep tmp small

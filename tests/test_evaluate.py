@@ -204,6 +204,15 @@ def test_healthy_run_passes_the_gate(healthy):
     assert report["stage16"]["samples"] == 367
     assert "gate pass" in result.stderr and "| 3 | yes | 5 |" in result.stderr
     assert healthy.run_unchanged  # --out: the checkpoint's own run is only read
+    # Each of the 2 ranks evaluated its blocks on its accelerator from the engine's module
+    # weights: the numbers of one CPU process on DeepSpeed's consolidated fp32 weights.
+    from wonderland_ds.data import builtin
+    from wonderland_ds.eval import evaluate
+
+    task = builtin.load("digits").materialize()
+    for key in ("stage16", "stage15"):
+        ckpt = Path(report["checkpoint" if key == "stage16" else "baseline"])
+        assert report[key] == evaluate.metrics(task, evaluate.reference_predictions(task, ckpt))
     assert report["plots"] == PLOTS and all((healthy.out / p).is_file() for p in PLOTS)
     status = ok(wonderland("status", str(healthy.out)))
     assert "final evaluation sweep" in status and " done " in status
@@ -262,7 +271,7 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
     task = builtin.load("digits").materialize()
 
     def single(ckpt: str) -> dict:
-        return evaluate.metrics(task, evaluate.gathered_predictions(task, Path(ckpt)))
+        return evaluate.metrics(task, evaluate.reference_predictions(task, Path(ckpt)))
 
     base = single(two["baseline"])
     assert two["stage15"] == three["stage15"] == base  # exact: counts, matrix, every float

@@ -128,6 +128,21 @@ def test_zero2_saved_by_two_ranks_resumed_on_three(stage15_fp32, tmp_path):
 
 def test_zero3_saved_by_three_ranks_resumed_on_two(tmp_path):
     equivalence(tmp_path, 3, 3, 2)
+    # Stage 17 on a third world size: each rank's partition of every layer read from the saved
+    # fp32 partitions, layers gathered in the forward pass; the numbers of one CPU process on
+    # DeepSpeed's consolidated fp32 weights, exactly.
+    from wonderland_ds.data import builtin
+    from wonderland_ds.eval import evaluate
+
+    run = tmp_path / "resharded"
+    args = ["train", "--stage", "17", "--resume", "auto", "--run-dir", str(run)]
+    result = wonderland(*args, "--config", config(tmp_path, 3), "--nproc", "3")
+    assert result.returncode in (0, 3), (result.stdout + result.stderr)[-3000:]  # 3: the gate
+    report = json.loads((run / "stage17" / "report.json").read_text())
+    task = builtin.load("digits").materialize()
+    for key, ckpt in (("stage16", report["checkpoint"]), ("stage15", report["baseline"])):
+        want = evaluate.metrics(task, evaluate.reference_predictions(task, Path(ckpt)))
+        assert report[key] == want, key
 
 
 @pytest.mark.nightly

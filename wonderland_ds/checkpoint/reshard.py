@@ -16,6 +16,7 @@ computed from the source shards: a mismatch refuses the stage naming the paramet
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,12 +117,30 @@ def _spans(engine: Any, params: list[Any]) -> list[zl.ParamSpan]:
     ]
 
 
-class _Sources:
-    """The old shards, mapped on first use; counts the bytes copied out of them."""
+#: torch's element type of each storage a saved tensor can have (its bytes are copied as is).
+_TORCH_DTYPES = {
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+}
+
+
+#: Bytes per read: large enough for the disk, small enough to stay in the kernel's readahead.
+_CHUNK = 8 << 20
+
+
+class Sources:
+    """The old shards. Tensor ranges are read with plain sequential reads at the offsets the
+    files record (``pickles.map_tensors``: a memory map would fault them in page by page);
+    the rest of a file (scalars, the loss scaler) through ``torch.load(mmap=True)``.
+    Counts the bytes copied."""
 
     def __init__(self, files: list[Path], report: Report) -> None:
         self.files, self.report = files, report
         self._open: dict[int, Any] = {}
+        self._refs: dict[int, Any] = {}
+        self._handles: dict[str, Any] = {}
 
     def get(self, rank: int) -> Any:
         if rank not in self._open:
@@ -129,20 +148,55 @@ class _Sources:
             self._open[rank] = torch.load(
                 self.files[rank], map_location="cpu", mmap=True, weights_only=False
             )
-            self.report.files.append(self.files[rank].name)
         return self._open[rank]
+
+    def refs(self, rank: int) -> Any:
+        if rank not in self._refs:
+            self._refs[rank] = zl.map_file(self.files[rank])
+            self.report.files.append(self.files[rank].name)
+        return self._refs[rank]
 
     def fill(self, dest: torch.Tensor, copies: list[zl.Copy], pick: Any) -> None:
         """Copy each range into ``dest`` (flat) from ``pick(shard)`` of its source rank."""
         flat = dest.detach().view(-1)
         for c in copies:
-            src = pick(self.get(c.rank)).view(-1)
-            flat.narrow(0, c.dst, c.numel).copy_(src.narrow(0, c.src, c.numel))
-            self.report.bytes_read += c.numel * src.element_size()
+            ref = pick(self.refs(c.rank))
+            dtype = _TORCH_DTYPES.get(getattr(ref, "storage", ""))
+            if dtype is None or not ref.contiguous:  # not a plain float tensor: torch reads it
+                src = pick(self.get(c.rank)).view(-1)
+                flat.narrow(0, c.dst, c.numel).copy_(src.narrow(0, c.src, c.numel))
+            else:
+                self._read(ref, dtype, c.src, flat.narrow(0, c.dst, c.numel))
+            self.report.bytes_read += c.numel * flat.element_size()
+
+    def _read(self, ref: Any, dtype: torch.dtype, start: int, out: torch.Tensor) -> None:
+        """Elements ``[start, start + out.numel())`` of ``ref`` into ``out``: straight into its
+        memory when it is a host tensor of the same type, else through a host buffer."""
+        direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+        host = out if direct else torch.empty(out.numel(), dtype=dtype)
+        view = host.view(torch.uint8).numpy().data.cast("B")
+        fh = self._handles.get(ref.path)
+        if fh is None:
+            fh = self._handles[ref.path] = open(ref.path, "rb", buffering=0)  # noqa: SIM115
+        pos, done = ref.offset + start * host.element_size(), 0
+        while done < len(view):
+            n = os.preadv(fh.fileno(), [view[done : done + _CHUNK]], pos + done)
+            if n <= 0:
+                raise Refused(
+                    f"{ref.path}: the file ends inside a tensor", "inspect the checkpoint"
+                )
+            done += n
+        if not direct:
+            out.copy_(host)
+
+    def close(self) -> None:
+        for fh in self._handles.values():
+            fh.close()
+        self._handles.clear()
 
 
 def _fill_group(
-    sources: _Sources,
+    sources: Sources,
     layout: zl.SourceLayout,
     g: int,
     new: list[zl.ParamSpan],
@@ -201,7 +255,7 @@ def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
     opt = engine.optimizer
     world, rank = dist.world_size(), dist.rank()
     optim = [tag_dir / layout.optim_file(r) for r in range(layout.world_size)]
-    sources = _Sources(optim, report)
+    sources = Sources(optim, report)
     if layout.family() == "zero12":
         path, _ = engine.load_checkpoint(
             str(tag_dir.parent),
@@ -233,6 +287,7 @@ def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
         )
     else:
         _load_zero3(engine, tag_dir, layout, sources, world, rank)
+    sources.close()
     report.seconds = time.perf_counter() - t0
     io1 = _storage_reads()
     report.io_read_bytes = None if io0 is None or io1 is None else io1 - io0
@@ -253,7 +308,7 @@ def _load_zero3(
     engine: Any,
     tag_dir: Path,
     layout: zl.SourceLayout,
-    sources: _Sources,
+    sources: Sources,
     world: int,
     rank: int,
 ) -> None:
@@ -265,7 +320,7 @@ def _load_zero3(
     models = [
         tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(layout.world_size)
     ]
-    frozen = _Sources(models, sources.report)
+    frozen = Sources(models, sources.report)
     states0 = frozen.get(0)
     engine.load_module_state_dict(
         checkpoint={"module": states0["module"], "frozen_param_fragments": None}, strict=True
@@ -283,6 +338,7 @@ def _load_zero3(
         frozen.fill(
             p.ds_tensor.data, copies, lambda sd, n=span.name: sd["frozen_param_fragments"][n]
         )
+    frozen.close()
     if engine.lr_scheduler is not None and states0.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(states0["lr_scheduler"])
     engine.global_steps = states0["global_steps"]

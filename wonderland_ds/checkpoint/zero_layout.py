@@ -192,7 +192,8 @@ class Shards:
     prefix: str
 
 
-def _load(path: Path) -> dict[str, Any]:
+def map_file(path: Path) -> dict[str, Any]:
+    """A checkpoint file with its tensors as :class:`~pickles.TensorRef` (nothing read)."""
     try:
         got = pickles.map_tensors(path, _ALLOWED)
     except Exception as exc:  # noqa: BLE001 - damage or an unknown global: not ours to read
@@ -221,7 +222,9 @@ def open_shards(tag_dir: Path) -> Shards:
     model_files = [p for _, p in model3] or [tag_dir / "mp_rank_00_model_states.pt"]
     if not model_files[0].is_file():
         raise UnknownLayout("no mp_rank_00 model states (tensor parallel?)")
-    return Shards(_load(model_files[0]), [_load(p) for _, p in optim], model_files, prefixes.pop())
+    return Shards(
+        map_file(model_files[0]), [map_file(p) for _, p in optim], model_files, prefixes.pop()
+    )
 
 
 def _base(osd: dict[str, Any]) -> dict[str, Any]:
@@ -340,18 +343,29 @@ def _address(a: Any) -> tuple[int, int]:
     return (int(args[0]), int(args[1])) if len(args) == 2 else (-1, -1)
 
 
+_CHUNK = 1 << 22
+_WEIGHTS: list[Any] = []
+
+
+def _weights() -> Any:
+    """``1 + i % POSITIONS`` for a chunk plus one period, computed once (float64)."""
+    if not _WEIGHTS:
+        _WEIGHTS.append(1.0 + (np.arange(_CHUNK + POSITIONS) % POSITIONS))
+    return _WEIGHTS[0]
+
+
 def sums(array: Any, start: int, numel: int, first: int) -> tuple[float, float]:
     """Sum of squares of ``array[start:start + numel]`` in float64, plain and weighted by the
     elements' indices in their parameter (the first is ``first``), a few million at a time."""
     plain = weighted = 0.0
-    chunk = 1 << 22
-    for a in range(0, numel, chunk):
-        b = min(a + chunk, numel)
+    w = _weights()
+    for a in range(0, numel, _CHUNK):
+        b = min(a + _CHUNK, numel)
         x = np.asarray(array[start + a : start + b], dtype=np.float64)
-        x = x * x
-        w = 1.0 + (np.arange(first + a, first + b, dtype=np.int64) % POSITIONS)
+        x *= x
+        o = (first + a) % POSITIONS
         plain += float(x.sum())
-        weighted += float(np.dot(x, w))
+        weighted += float(np.dot(x, w[o : o + b - a]))
     return plain, weighted
 
 

@@ -30,23 +30,38 @@ from wonderland_ds.eval.sweep import (
     run_holding,
     sweep,
 )
+from wonderland_ds.eval.weights import eval_model, load_into
 from wonderland_ds.run import manifest
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
 
-def predict(task: Task, state: dict[str, torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's shard of the held-out split: (sample indices, predicted classes)."""
+def predict(task: Task, model: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's shard of the held-out split: (sample indices, predicted classes), on the
+    model's device and in its dtype."""
+    p = next(model.parameters())
 
     def classes(model: torch.nn.Module, split: Split, idx: np.ndarray) -> np.ndarray:
-        logits = model(torch.from_numpy(np.asarray(split.x[idx], dtype=np.float32)))
-        return logits.argmax(-1).numpy().astype(np.int64)
+        x = torch.from_numpy(np.asarray(split.x[idx], dtype=np.float32))
+        logits = model(x.to(device=p.device, dtype=p.dtype))
+        return logits.argmax(-1).cpu().numpy().astype(np.int64)
 
-    return sweep(task, state, classes, np.int64)
+    return sweep(task, model, classes, np.int64)
 
 
-def gathered_predictions(task: Task, tag_dir: Path) -> np.ndarray:
-    idx, pred = predict(task, consolidated_state(tag_dir))
+def gathered_predictions(task: Task, tag_dir: Path, ds_dict: dict[str, Any]) -> np.ndarray:
+    """Every held-out prediction of the checkpoint, each rank evaluating its blocks on its
+    accelerator in the training dtype."""
+    with eval_model(task.build_model, tag_dir, ds_dict) as model:
+        idx, pred = predict(task, model)
+    return gather_once(len(heldout(task)), idx, pred, -1)
+
+
+def reference_predictions(task: Task, tag_dir: Path) -> np.ndarray:
+    """One process, the CPU, DeepSpeed's consolidated fp32 weights: what stage 17's sharded
+    evaluation must equal for an fp32 run."""
+    model = load_into(task.build_model(), consolidated_state(tag_dir))
+    idx, pred = predict(task, model)
     return gather_once(len(heldout(task)), idx, pred, -1)
 
 
@@ -171,8 +186,8 @@ def run_eval(
     # not run_dir when `wonderland eval --out DIR` keeps its records in DIR.
     home = run_holding(plan.source) or run_dir
     base_dir = baseline(args, home)
-    new = metrics(task, gathered_predictions(task, plan.source))
-    base = metrics(task, gathered_predictions(task, base_dir))
+    new = metrics(task, gathered_predictions(task, plan.source, inputs.ds_dict))
+    base = metrics(task, gathered_predictions(task, base_dir, inputs.ds_dict))
     verdict, failed_classes = gate(
         task, new, base, settings.eval.recall_drop_margin, settings.eval.minority_recall_floor
     )

@@ -14,14 +14,14 @@ import torch
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.distributed import log
-from wonderland_ds.core.findings import Finding, GuardStop, Refused
+from wonderland_ds.core.findings import Finding, GuardStop
 from wonderland_ds.data.tasks import Split, Task
 from wonderland_ds.eval.sweep import (
     baseline,
-    consolidated_state,
     heldout,
     run_holding,
 )
+from wonderland_ds.eval.weights import eval_model, load_into, passes
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
@@ -62,13 +62,18 @@ def lm_source_losses(task: Task, model: torch.nn.Module, data: Any) -> tuple[flo
     n = len(data)
     starts = list(range(dist.rank() * rows, n, dist.world_size() * rows))
     mine = []
+    dev = next(model.parameters()).device
     with torch.no_grad():
-        for s in starts:
+        # As many forward passes on every rank (ZeRO-3's are collective): extras repeat
+        # block 0 and are dropped.
+        for i in range(passes(len(starts))):
+            s = starts[i] if i < len(starts) else 0
             x, y = data.take(np.arange(s, min(s + rows, n)))
-            tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+            tx, ty = torch.from_numpy(x).to(dev), torch.from_numpy(y).to(dev)
             count = task.targets(ty)
-            loss = task.batch_loss(model, tx, ty) if count else torch.zeros(())
-            mine.append((s, float(loss.double()) * count, count))
+            loss = task.batch_loss(model, tx, ty)
+            if i < len(starts):
+                mine.append((s, float(loss.double()) * count if count else 0.0, count))
     blocks = sorted(b for part in dist.gather_all(mine) for b in part)
     if [b[0] for b in blocks] != list(range(0, n, rows)):  # a sharding bug: fail loudly
         raise RuntimeError("held-out blocks were not each evaluated exactly once")
@@ -82,27 +87,7 @@ def data_tokens(data: Any) -> int:
 
 
 def lm_eval_model(task: Task, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    model = (task.build_empty_model or task.build_model)()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in _tied(model)]
-    if missing or unexpected:
-        raise Refused(
-            f"checkpoint does not fit the task's model: missing {missing[:3]},"
-            f" unexpected {unexpected[:3]}",
-            "evaluate with the task it was trained on",
-        )
-    return model.eval()
-
-
-def _tied(model: torch.nn.Module) -> set[str]:
-    """Names of parameters that share storage with an earlier one (tied embeddings)."""
-    seen: dict[int, str] = {}
-    tied = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            tied.add(name)
-        seen.setdefault(id(p), name)
-    return tied
+    return load_into((task.build_empty_model or task.build_model)(), state)
 
 
 def lm_metrics(totals: dict[str, tuple[float, int]]) -> dict[str, Any]:
@@ -148,11 +133,11 @@ def run_eval_lm(
     base_dir = baseline(args, home)
     sources = lm_sources(task)
     result = {}
+    build = task.build_empty_model or task.build_model
     for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
-        model = lm_eval_model(task, consolidated_state(tag_dir))
-        totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
+        with eval_model(build, tag_dir, inputs.ds_dict) as model:
+            totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
         result[name] = lm_metrics(totals)
-        del model
     verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)
     failed = [f for f in verdict if f.severity == "error"]
     report: dict[str, Any] = {

@@ -1,5 +1,5 @@
-"""Stage 17's shared machinery: a checkpoint's consolidated weights, the held-out rows dealt
-to ranks, gathered back in order, and which checkpoints are compared."""
+"""Stage 17's shared machinery: the held-out rows dealt to ranks, gathered back in order,
+which checkpoints are compared, and a checkpoint's consolidated fp32 weights (export)."""
 
 from __future__ import annotations
 
@@ -50,26 +50,24 @@ def shard(n: int, rank: int, world: int) -> list[np.ndarray]:
 
 def sweep(
     task: Task,
-    state: dict[str, torch.Tensor],
+    model: torch.nn.Module,
     per_block: Callable[[torch.nn.Module, Split, np.ndarray], np.ndarray],
     dtype: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Load ``state`` into the task's model and run ``per_block`` over this rank's blocks of
-    the held-out split: (sample indices, one value per sample)."""
-    model = task.build_model()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise Refused(
-            f"checkpoint does not fit the task's model: missing {missing[:3]},"
-            f" unexpected {unexpected[:3]}",
-            "evaluate with the task it was trained on",
-        )
-    model.eval()
+    """Run ``per_block`` over this rank's blocks of the held-out split: (sample indices, one
+    value per sample). Every rank runs as many blocks as the most loaded one (ZeRO-3's
+    forward is collective): the extra ones repeat block 0 and are dropped."""
+    from wonderland_ds.eval.weights import passes
+
     split = heldout(task)
     blocks = shard(len(split), dist.rank(), dist.world_size())
     values = [np.zeros(0, dtype=dtype)]
     with torch.no_grad():
-        values += [per_block(model, split, idx) for idx in blocks]
+        for i in range(passes(len(blocks))):
+            if i < len(blocks):
+                values.append(per_block(model, split, blocks[i]))
+            else:
+                per_block(model, split, np.arange(min(BLOCK, len(split))))
     idx_all = np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
     return idx_all, np.concatenate(values)
 
