@@ -215,3 +215,24 @@ def test_device_checks_script_runs_on_this_machine(tmp_path):
     (save,) = run_ranks("async-save", tmp_path, 1)
     assert save["device"] == "cpu" and "mp_rank_00_model_states.pt" in save["files"], save
     assert save["equal"] and all(save["equal"].values()), save
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_stage17_evaluates_on_the_gpu_in_the_training_dtype(stage15_fp32):
+    """A ZeRO-2 checkpoint's module on the accelerator in bf16: the predictions of the CPU's
+    fp32 reference, up to bf16 rounding (a sample or two of the 367)."""
+    import numpy as np
+    import torch
+
+    from wonderland_ds.data import builtin
+    from wonderland_ds.eval import evaluate, weights
+
+    tag = stage15_fp32 / "stage15" / "checkpoints" / "global_step40"
+    task = builtin.load("digits").materialize()
+    with weights.eval_model(task.build_model, tag, {"bf16": {"enabled": True}}) as model:
+        p = next(model.parameters())
+        assert p.device.type == "cuda" and p.dtype == torch.bfloat16
+        _, pred = evaluate.predict(task, model)
+    want = evaluate.reference_predictions(task, tag)
+    assert len(pred) == len(want) and np.mean(pred != want) < 0.01
