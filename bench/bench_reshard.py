@@ -23,13 +23,11 @@ measured in the same run (``bench/disk.py``, cold).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from bench_resume import BIN, config, disk_speeds, run, tree_bytes  # noqa: E402
+from bench_resume import BIN, bench_args, config, disk_speeds, run, tree_bytes  # noqa: E402
 from disk import read_speed, write_speed  # noqa: E402
 
 from wonderland_ds.checkpoint import zero_layout as zl  # noqa: E402
@@ -143,15 +141,7 @@ def cold_reads(tag_dir: Path, layout: zl.SourceLayout, world: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = ap.parse_args()
-    os.environ["WL_BENCH_DIM"], os.environ["WL_BENCH_LAYERS"] = str(args.dim), str(args.layers)
-    work = Path(tempfile.mkdtemp(prefix="wl-bench-reshard-"))
+    args, work = bench_args("reshard")
     try:
         cfg = config(work, args.dim, args.layers)
         src = {w: stage15(cfg, work, w) for w in (2, 3)}

@@ -157,7 +157,9 @@ def deepspeed(cfg: Path, ckpt: Path, work: Path, name: str, nproc: int) -> dict:
     return result
 
 
-def main() -> None:
+def bench_args(name: str) -> tuple[argparse.Namespace, Path]:
+    """The resume benchmarks' flags (the model's size exported for bench/big_task.py) and a
+    fresh work folder."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -166,7 +168,11 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     args = ap.parse_args()
     os.environ["WL_BENCH_DIM"], os.environ["WL_BENCH_LAYERS"] = str(args.dim), str(args.layers)
-    work = Path(tempfile.mkdtemp(prefix="wl-bench-resume-"))
+    return args, Path(tempfile.mkdtemp(prefix=f"wl-bench-{name}-"))
+
+
+def main() -> None:
+    args, work = bench_args("resume")
     try:
         cfg = config(work, args.dim, args.layers)
         src = work / "stage15"

@@ -171,3 +171,15 @@ def test_resume_timeline_gc_timer_counts_collections_by_role_up_to_the_first_ste
     spent = gc_seconds(logs, until=float("inf"))
     assert set(spent) == {"rank1"} and spent["rank1"] > 0
     assert gc_seconds(logs, until=0.0) == {"rank1": 0.0}
+
+
+@pytest.mark.nightly
+def test_reshard_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "reshard.json"
+    cmd = [sys.executable, "bench/bench_reshard.py", "--dim", "64", "--layers", "1"]
+    got = run_bench(cmd + ["--reps", "1", "--out", str(out)], out, timeout=600)
+    s = got["summary"]
+    assert len(got["runs"]["same"]) == len(got["runs"]["resharded"]) == 1
+    assert s["universal_folders"] == 0 and s["bytes_read_per_rank_max"] == s["share_bytes_per_rank"]
+    assert all(r["resume"]["load"] == "resharded" for r in got["runs"]["resharded"])
+    assert s["ratio_median"] > 0 and s["cold_read_vs_disk_read_paired_median"] > 0

@@ -232,6 +232,24 @@ def _fill_group(
     return states
 
 
+def _fill_groups(
+    engine: Any,
+    sources: Sources,
+    layout: zl.SourceLayout,
+    fp32s: list[torch.Tensor],
+    world: int,
+    rank: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every group's fp32 partition filled in place; (a copy of the source's rank-0 optimizer
+    state dict to complete, the wrapped torch optimizer's state dict for this rank)."""
+    states = [
+        _fill_group(sources, layout, g, _spans(engine, params), fp32s[g], world, rank)
+        for g, params in enumerate(_groups(engine))
+    ]
+    first = sources.get(0)["optimizer_state_dict"]
+    return dict(first), _base_state(first, states)
+
+
 def _base_state(first: dict[str, Any], states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """The wrapped torch optimizer's state dict for this rank: the resharded tensors, and
     what is not partitioned (Adam's step, the hyperparameters) from the source's rank 0."""
@@ -266,14 +284,9 @@ def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
         if path is None:
             raise Refused(f"DeepSpeed loaded nothing from {tag_dir}", "inspect the checkpoint")
         fp32s = opt.single_partition_of_fp32_groups
-        states = [
-            _fill_group(sources, layout, g, _spans(engine, params), fp32s[g], world, rank)
-            for g, params in enumerate(_groups(engine))
-        ]
-        first = sources.get(0)["optimizer_state_dict"]
-        sd = dict(first)
+        sd, base = _fill_groups(engine, sources, layout, fp32s, world, rank)
         sd.update(
-            base_optimizer_state=_base_state(first, states),
+            base_optimizer_state=base,
             single_partition_of_fp32_groups=list(fp32s),
             group_paddings=list(opt.groups_padding),
             param_alignment_paddings=opt.round_robin_bit16_padding,
@@ -349,15 +362,10 @@ def _load_zero3(
     engine.loaded_checkpoint_dp_world_size = states0["dp_world_size"]
     engine.loaded_checkpoint_mp_world_size = states0["mp_world_size"]
     fp32s = opt.fp32_partitioned_groups_flat
-    states = [
-        _fill_group(sources, layout, g, _spans(engine, params), fp32s[g], world, rank)
-        for g, params in enumerate(_groups(engine))
-    ]
-    first = sources.get(0)["optimizer_state_dict"]
-    sd = dict(first)
+    sd, base = _fill_groups(engine, sources, layout, fp32s, world, rank)
     sd.update(
         partition_count=opt.partition_count,
-        optimizer_state_dict=_base_state(first, states),
+        optimizer_state_dict=base,
         fp32_flat_groups=list(fp32s),
     )
     opt.load_state_dict(
