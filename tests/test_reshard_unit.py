@@ -163,3 +163,40 @@ def test_a_zero3_change_is_refused_before_anything_starts(stage15_fp32, tmp_path
     assert err.rule == "topology" and "zero_stage 2 -> 3" in err.message
     assert "resume with zero_optimization.stage 2" in err.fix
     assert not plan.reshard and not plan.universal
+
+
+def test_an_engine_the_reshard_cannot_fill_is_named_for_the_universal_path():
+    from types import SimpleNamespace
+
+    from wonderland_ds.checkpoint import reshard
+
+    layout = zl.SourceLayout(
+        zero_stage=2, world_size=2, ds_version="0.19.8", groups=[], state_keys=["exp_avg"]
+    )
+    ready = dict(
+        round_robin_bit16_groups=[],
+        single_partition_of_fp32_groups=[],
+        groups_padding=[],
+        round_robin_bit16_padding=[[0]],
+        partition_count=[2],
+        load_state_dict=None,
+    )
+
+    def engine(stage=2, mp=1, **opt):
+        return SimpleNamespace(
+            optimizer=SimpleNamespace(**opt),
+            zero_optimization_stage=lambda: stage,
+            has_moe_layers=False,
+            mp_world_size=mp,
+        )
+
+    assert reshard.unsupported(engine(**ready), layout) is None
+    assert reshard.unsupported(engine(stage=1, **ready), layout) is None  # 1 and 2 interchange
+    assert reshard.unsupported(engine(stage=3, **ready), layout) == "ZeRO stage 2 -> 3"
+    assert (
+        reshard.unsupported(engine(mp=2, **ready), layout) == "expert, tensor or pipeline parallel"
+    )
+    aligned = ready | {"round_robin_bit16_padding": [[0, 3]]}
+    assert reshard.unsupported(engine(**aligned), layout) == "parameter_alignment is on"
+    lacking = {k: v for k, v in ready.items() if k != "groups_padding"}
+    assert "lacks ['groups_padding']" in reshard.unsupported(engine(**lacking), layout)
