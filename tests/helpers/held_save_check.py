@@ -107,6 +107,9 @@ def main() -> None:
             print("HELD-SAVE " + json.dumps(reports), flush=True)
         engine.destroy()
         dist.barrier()
+    # As the stage ends: a barrier, then the process group destroyed (a gloo thread left to the
+    # interpreter's exit aborted rank 0 once: "terminate called without an active exception").
+    dist.teardown()
 
 
 if __name__ == "__main__":
