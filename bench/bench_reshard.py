@@ -18,7 +18,8 @@ share of them, and what each rank read from storage while resharding (``/proc/se
 preflight has just hashed the checkpoint, so little). The reshard's reads alone (the new ranks
 as processes, the same code) are then timed from a dropped page cache: their throughput (all
 ranks' bytes over the slowest rank's seconds) against the disk's sequential read speed
-measured in the same run (``bench/disk.py``, cold).
+measured in the same run (``bench/disk.py``, cold). Also timed: the front's reading of the
+layout and the reference norms the check compares against (``zero_layout.read_source``).
 """
 
 from __future__ import annotations
@@ -147,6 +148,12 @@ def main() -> None:
         src = {w: stage15(cfg, work, w) for w in (2, 3)}
         ckpt3 = latest(src[3] / "stage15")
         layout = zl.read_source(ckpt3, norms=False)
+        # What the front adds before launch: the layout and the reference norms (warm cache).
+        front = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            zl.read_source(ckpt3)
+            front.append(time.perf_counter() - t0)
         # Each new rank's share: fp32 weights and both moments (4 bytes each) of its partition.
         share = 12 * sum(zl.partition_numel(layout.family(), g, 2) for g in layout.groups)
         result: dict = {
@@ -154,6 +161,7 @@ def main() -> None:
             "layers": args.layers,
             "checkpoint_bytes": {w: tree_bytes(latest(src[w] / "stage15")) for w in (2, 3)},
             "share_bytes_per_rank": share,
+            "front_layout_and_norms_s": front,
             "disk": disk_speeds(work),
         }
         sides: dict[str, list[dict]] = {"same": [], "resharded": []}
@@ -188,6 +196,7 @@ def main() -> None:
             "io_read_bytes_per_rank_max": max(max(x["io_read_bytes"] or [0]) for x in loads),
             "share_bytes_per_rank": share,
             "reshard_seconds_median": statistics.median(x["seconds"] for x in loads),
+            "front_layout_and_norms_s_median": statistics.median(front),
             "reshard_read_Bps_median": statistics.median(moved),
             "cold_read_Bps_median": statistics.median(r["bytes"] / r["seconds"] for r in reads),
             "disk_read_Bps_median": statistics.median(disk),

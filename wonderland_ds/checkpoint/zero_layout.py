@@ -370,22 +370,32 @@ def sums(array: Any, start: int, numel: int, first: int) -> tuple[float, float]:
 
 
 def source_norms(layout: SourceLayout, sh: Shards) -> dict[str, dict[str, float]]:
-    """Per parameter, the sum of squares of its fp32 weights and each partitioned state,
-    read from every rank's shard with the checkpoint's own layout."""
+    """Per parameter, the sum of squares of its fp32 weights and each partitioned state
+    (plain and position-weighted), read from every rank's shard with the checkpoint's own
+    layout; the shards in threads (numpy releases the GIL), added up in rank order."""
+    from concurrent.futures import ThreadPoolExecutor
+
     family, world = layout.family(), layout.world_size
-    out: dict[str, dict[str, float]] = {}
-    for r, sd in enumerate(sh.optim):
-        osd = sd["optimizer_state_dict"]
+
+    def one(r: int) -> list[tuple[str, str, float]]:
+        osd = sh.optim[r]["optimizer_state_dict"]
         fp32, state = flat_fp32(osd), _base(osd)["state"]
+        got = []
         for g, group in enumerate(layout.groups):
             arrays = {FP32: fp32[g].array()}
             arrays |= {k: state[g][k].array() for k in layout.state_keys}
             for pc in pieces(family, group, world, r):
-                got = out.setdefault(pc.name, {})
                 for key, arr in arrays.items():
                     plain, weighted = sums(arr, pc.flat_start, pc.numel, pc.param_start)
-                    got[key] = got.get(key, 0.0) + plain
-                    got[positional(key)] = got.get(positional(key), 0.0) + weighted
+                    got += [(pc.name, key, plain), (pc.name, positional(key), weighted)]
+        return got
+
+    out: dict[str, dict[str, float]] = {}
+    with ThreadPoolExecutor(max_workers=min(4, world)) as pool:
+        for part in pool.map(one, range(world)):
+            for name, key, value in part:
+                row = out.setdefault(name, {})
+                row[key] = row.get(key, 0.0) + value
     return out
 
 
