@@ -1,16 +1,17 @@
 """Resuming a ZeRO-1/2/3 checkpoint on another world size, resharded at load time.
 
-Every rank maps the old shards (``torch.load(mmap=True)``: only the pickles are read) and
-copies, for each flat group, just the element ranges its new partition needs
-(:func:`~wonderland_ds.checkpoint.zero_layout.transfers`) straight into the engine's fp32
-partition and into the optimizer-state tensors it is about to own. DeepSpeed's own
+Every rank reads, for each flat group, just the element ranges of the old shards its new
+partition needs (:func:`~wonderland_ds.checkpoint.zero_layout.transfers`; plain reads at the
+offsets the files record), straight into the engine's fp32 partition and into the
+optimizer-state tensors it is about to own. DeepSpeed's own
 ``optimizer.load_state_dict`` then takes them as if this rank had saved them at this world
 size (it links the parameters, restores the loss scaler and, under ZeRO-3, the 16-bit
 partitions). No universal folder is written and no rank reads another rank's share.
 
-:func:`check` compares, per parameter, the norms of the loaded fp32 weights and moments (found
-through DeepSpeed's own parameter-to-partition mapping, one all-reduce) with the norms the front
-computed from the source shards: a mismatch refuses the stage naming the parameter.
+:func:`check` compares, per parameter, the plain and position-weighted sums of squares of the
+loaded fp32 weights and moments (found through DeepSpeed's own parameter-to-partition mapping,
+one all-reduce) with those the front computed from the source shards: a mismatch refuses the
+stage naming the parameter.
 """
 
 from __future__ import annotations
