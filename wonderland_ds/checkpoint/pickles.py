@@ -289,18 +289,19 @@ def peek(path: Path | str, allowed: frozenset[str] = frozenset(), trust: bool = 
     return _Peeker(_data_pkl(path), allowed, trust).load()
 
 
-#: numpy's dtype for a storage type's elements (bfloat16 has none: its bits as uint16).
-_NUMPY_DTYPES = {
-    "FloatStorage": "float32",
-    "DoubleStorage": "float64",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "uint16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
+#: numpy's dtype and the element size of each storage type (bfloat16 has no numpy dtype: its
+#: bits as uint16).
+_ELEMENTS = {
+    "FloatStorage": ("float32", 4),
+    "DoubleStorage": ("float64", 8),
+    "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("uint16", 2),
+    "LongStorage": ("int64", 8),
+    "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2),
+    "CharStorage": ("int8", 1),
+    "ByteStorage": ("uint8", 1),
+    "BoolStorage": ("bool", 1),
 }
 
 
@@ -317,7 +318,7 @@ class TensorRef:
 
     @property
     def dtype(self) -> str:
-        return _NUMPY_DTYPES.get(self.storage, "")
+        return _ELEMENTS.get(self.storage, ("", 0))[0]
 
     def numel(self) -> int:
         n = 1
@@ -389,7 +390,7 @@ class _Mapper(_Peeker):
         record = f"{self.folder}/data/{storage.key}"
         if record not in self.offsets:
             raise pickle.UnpicklingError(f"tensor data {record} is missing or compressed")
-        item = _ITEMSIZE.get(storage.kind, 0)
+        item = _ELEMENTS.get(storage.kind, ("", 0))[1]
         return TensorRef(
             self.path,
             self.offsets[record] + int(offset) * item,
@@ -397,20 +398,6 @@ class _Mapper(_Peeker):
             shape,
             all(a == b for a, b, d in zip(stride, want, shape) if d > 1),
         )
-
-
-_ITEMSIZE = {
-    "FloatStorage": 4,
-    "DoubleStorage": 8,
-    "HalfStorage": 2,
-    "BFloat16Storage": 2,
-    "LongStorage": 8,
-    "IntStorage": 4,
-    "ShortStorage": 2,
-    "CharStorage": 1,
-    "ByteStorage": 1,
-    "BoolStorage": 1,
-}
 
 
 def map_tensors(

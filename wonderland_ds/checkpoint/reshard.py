@@ -318,6 +318,15 @@ def _storage_reads() -> int | None:
     return None
 
 
+def fill_frozen(
+    models: Sources, layout: zl.SourceLayout, span: zl.ParamSpan, dest: Any, world: int, rank: int
+) -> None:
+    """ZeRO-3: this rank's partition of a frozen parameter, from the saved fragments in the
+    model-states files (partitioned like the trained parameters)."""
+    copies = zl.transfers("zero3", [span], [span], layout.world_size, world, rank)
+    models.fill(dest, copies, lambda sd: sd["frozen_param_fragments"][span.name])
+
+
 def _load_zero3(
     engine: Any,
     tag_dir: Path,
@@ -348,10 +357,7 @@ def _load_zero3(
                 " of the model",
                 "resume with the model the checkpoint was trained with",
             )
-        copies = zl.transfers("zero3", [span], [span], layout.world_size, world, rank)
-        frozen.fill(
-            p.ds_tensor.data, copies, lambda sd, n=span.name: sd["frozen_param_fragments"][n]
-        )
+        fill_frozen(frozen, layout, span, p.ds_tensor.data, world, rank)
     frozen.close()
     if engine.lr_scheduler is not None and states0.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(states0["lr_scheduler"])

@@ -122,8 +122,7 @@ def _zero3_model(
             copies = zl.transfers("zero3", group, [span], layout.world_size, world, rank)
             optim.fill(host, copies, lambda sd, g=g: zl.flat_fp32(sd["optimizer_state_dict"])[g])
         elif name in frozen:
-            copies = zl.transfers("zero3", [span], [span], layout.world_size, world, rank)
-            models.fill(host, copies, lambda sd, n=name: sd["frozen_param_fragments"][n])
+            reshard.fill_frozen(models, layout, span, host, world, rank)
         else:
             raise Refused(
                 f"parameter {name} of the task's model is not in the checkpoint {tag_dir}",
