@@ -397,7 +397,8 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
     (["--stage", "16", "--min-warmup-steps", "many"], "argument --min-warmup-steps"),
     (["--stage", "15", "--nproc", "0"], "argument --nproc"),
     (["--stage", "15", "--master-port", "0"], "argument --master-port"),
-    (["--stage", "15", "--launcher", "slurm"], "argument --launcher: invalid choice: 'slurm'"),
+    (["--stage", "15", "--launcher", "slurm"], "--launcher slurm needs a Slurm allocation"),
+    (["--stage", "15", "--launcher", "mpich"], "argument --launcher: invalid choice: 'mpich'"),
     (["--stage", "15", "--fault", "bogus"], "bad fault 'bogus'"),
     (["--stage", "15", "--fault", "kill@step:step=x"], "bad fault option 'step=x'"),
     (["--stage", "15", "--fault", "hang@save-before-meta"], "bad fault 'hang@save-before-meta'"),
@@ -417,6 +418,8 @@ BAD_FLAGS: list[tuple[list[str], str]] = [
 
 def test_bad_flag_combinations_are_refused(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)  # outside any allocation
     failures = []
     for raw, needle in BAD_FLAGS:
         argv = [a.replace("{tmp}", str(tmp_path)) for a in raw]

@@ -18,15 +18,36 @@ if __package__ in (None, ""):
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
 
 from wonderland_ds.core import quiet
-from wonderland_ds.core.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
+from wonderland_ds.core.findings import (
+    EXIT_GUARD,
+    EXIT_REFUSED,
+    EXIT_STOPPED,
+    GuardStop,
+    Refused,
+    Stopped,
+    render,
+)
+from wonderland_ds.core.signals import StopSignals
 from wonderland_ds.launch.flags import add_stage_flags
 from wonderland_ds.training import startup
+
+
+def stop_line(stage: int, exc: Stopped) -> str:
+    """One line for a stop: what asked, where it stopped, what holds the work."""
+    head = f"stage {stage} stopped on {exc.request.describe()}"
+    if exc.saved and exc.checkpoint:
+        return f"{head} at step {exc.step}: checkpoint {exc.checkpoint} complete; resumable"
+    if exc.checkpoint:
+        return f"{head}: nothing trained since {exc.checkpoint}; resumable"
+    return f"{head}: no checkpoint of this stage yet"
 
 
 def main(argv: list[str] | None = None) -> int:
     # Before torch and DeepSpeed are imported: the collector's full scans of the start's
     # long-lived objects cost 0.81-0.87 s a rank (startup.py); it is back on at the first step.
     startup.hold()
+    # From the first moment: a SIGTERM while the stage starts is acted on at its first step.
+    signals = StopSignals().install()
     quiet.install()  # known-harmless third-party warnings, before DeepSpeed is imported
     parser = argparse.ArgumentParser(prog="wonderland_ds/train.py", description=__doc__)
     add_stage_flags(parser)
@@ -39,9 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
     agreed = False  # every rank reached the same end: tear down behind a barrier
     try:
-        rc = rank.run(args)
+        rc = rank.run(args, signals)
         agreed = True
         return rc
+    except Stopped as exc:
+        agreed = exc.agreed
+        if dist.is_main():
+            print(f"[wonderland] {stop_line(args.stage, exc)}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except Refused as exc:
         agreed = True
         if dist.is_main():

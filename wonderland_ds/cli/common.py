@@ -14,8 +14,8 @@ from wonderland_ds.launch.flags import DEFAULT_HOSTFILE, non_negative, positive
 Commands = argparse._SubParsersAction  # type: ignore[type-arg]
 
 
-def hostfile_or_refuse(path: str) -> hostfile_mod.Hostfile:
-    hf, found = hostfile_mod.parse(path)
+def hostfile_or_refuse(path: str | None) -> hostfile_mod.Hostfile:
+    hf, found = hostfile_mod.parse(path or str(DEFAULT_HOSTFILE))
     if hf is None:
         raise Refused(found)
     return hf
@@ -25,10 +25,15 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hostfile",
         type=shipped.hostfile_path,
-        default=str(DEFAULT_HOSTFILE),
-        help="DeepSpeed hostfile, a path or a shipped one's name (default: %(default)s)",
+        help="DeepSpeed hostfile, a path or a shipped one's name (default: the Slurm"
+        f" allocation inside one, else {DEFAULT_HOSTFILE})",
     )
-    p.add_argument("--nproc", type=positive, help="processes per node (default: hostfile slots)")
+    p.add_argument(
+        "--nproc",
+        type=positive,
+        help="processes per node (default: the hostfile's slots; in a Slurm allocation the GPUs"
+        " or tasks it granted each node)",
+    )
     p.add_argument("--master-port", type=positive, help="rendezvous port (default: a free one)")
     p.add_argument(
         "--max-restarts",
@@ -46,10 +51,17 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--launcher",
-        choices=LAUNCHERS,
-        default="pdsh",
-        help="DeepSpeed's multi-node launcher (default pdsh over ssh; openmpi: mpirun with"
-        " mpi4py discovery). One-host runs start locally whatever this says",
+        choices=("auto", "slurm", *LAUNCHERS),
+        default="auto",
+        help="how ranks start: slurm (srun on the allocation's nodes), or DeepSpeed's pdsh (over"
+        " ssh) or openmpi (mpirun with mpi4py discovery) on a hostfile's hosts. auto: slurm"
+        " inside an allocation without --hostfile, else pdsh. One-host hostfiles start locally",
+    )
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="in a Slurm job: after a stop on the warning signal or the time limit, saved,"
+        " `scontrol requeue` the job so it runs again and continues (wonderland.preemption.requeue)",
     )
     p.add_argument(
         "--preload-launcher",

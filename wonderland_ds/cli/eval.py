@@ -72,7 +72,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     config, task = (args.config, args.task) if args.config else _eval_defaults(home, stage)
     task = args.task or task
     argv = ["--stage", "17", "--config", config, "--run-dir", str(run_dir)]
-    argv += ["--resume", str(tag_dir), "--hostfile", args.hostfile]
+    argv += ["--resume", str(tag_dir)]
+    argv += ["--hostfile", args.hostfile] if args.hostfile else []
     seed = meta.data.seed if meta and meta.data else None
     if isinstance(seed, int):
         # Evaluation draws no random numbers: the checkpoint's own seed keeps the preflight's

@@ -24,7 +24,15 @@ from wonderland_ds.cli import (
     train,
 )
 from wonderland_ds.cli import eval as evaluate  # named so as not to hide the builtin
-from wonderland_ds.core.findings import EXIT_GUARD, EXIT_REFUSED, GuardStop, Refused, render
+from wonderland_ds.core.findings import (
+    EXIT_GUARD,
+    EXIT_REFUSED,
+    EXIT_STOPPED,
+    GuardStop,
+    Refused,
+    Stopped,
+    render,
+)
 
 #: In the order ``wonderland --help`` lists them.
 COMMANDS = [check, configs, cache, doctor, train, pipeline, status, inspect_checkpoint]
@@ -60,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GuardStop as exc:
         render(exc.findings, False, sys.stderr)
         return EXIT_GUARD
+    except Stopped as exc:
+        print(f"stopped on {exc.request.describe()}: nothing was started", file=sys.stderr)
+        return EXIT_STOPPED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -7,23 +7,41 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from wonderland_ds.cli.common import Commands, add_launch_flags
-from wonderland_ds.cli.train import build_train_parser, cmd_train
+from wonderland_ds.cli.train import after_stop, build_train_parser, train_stage
 from wonderland_ds.config import shipped
-from wonderland_ds.core.findings import EXIT_OK, Refused
+from wonderland_ds.core.findings import EXIT_OK, EXIT_STOPPED, Refused
 from wonderland_ds.launch.flags import DEFAULT_CONFIG
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.supervise import Supervisor
 
 
 def cmd_pipeline(args: argparse.Namespace) -> int:
-    from wonderland_ds.config import stages
-    from wonderland_ds.run import liveness as runstate
-    from wonderland_ds.run import manifest
+    from wonderland_ds.launch.supervise import Supervisor
 
     if args.to < args.from_:
         raise Refused(f"--to {args.to} is before --from {args.from_}", "use --from <= --to")
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
-    rc = EXIT_OK
+    with Supervisor() as sup:
+        rc, last = _stages(args, run_dir, sup)
+        if last is not None:
+            rc = after_stop(last, rc, sup, run_dir)
+    print(run_dir.resolve())
+    return rc
+
+
+def _stages(
+    args: argparse.Namespace, run_dir: Path, sup: Supervisor
+) -> tuple[int, argparse.Namespace | None]:
+    """The stages in order; (exit code, the flags of the last stage run)."""
+    from wonderland_ds.config import stages
+    from wonderland_ds.run import liveness as runstate
+    from wonderland_ds.run import manifest
+
+    rc, stage_args = EXIT_OK, None
     for n in range(args.from_, args.to + 1):
         data = manifest.read(run_dir) or {}
         state = runstate.true_states(run_dir, data).get(str(n), {})
@@ -43,9 +61,9 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             args.config,
             "--run-dir",
             str(run_dir),
-            "--hostfile",
-            args.hostfile,
         ]
+        if args.hostfile:
+            argv += ["--hostfile", args.hostfile]
         if resume:
             argv += ["--resume", resume]
         if stages.get(n).preflight:
@@ -59,6 +77,8 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
             argv.append("--exclude-failed-hosts")
         if rerun:
             argv.append("--rerun")
+        if args.requeue:
+            argv.append("--requeue")
         argv += ["--launcher", args.launcher]
         if args.preload_launcher:
             argv.append("--preload-launcher")
@@ -66,12 +86,13 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
         sub = build_train_parser()
         stage_args = sub.parse_args(argv)
         stage_args.invoked = getattr(args, "invoked", None)
-        rc = cmd_train(stage_args)
+        rc = train_stage(stage_args, sup)
+        if rc == EXIT_OK and sup.stop is not None:
+            rc = EXIT_STOPPED  # the stage ended as the stop came: the next one does not start
         if rc != EXIT_OK:
             print(f"pipeline stopped at stage {n} (exit {rc})", file=sys.stderr)
             break
-    print(run_dir.resolve())
-    return rc
+    return rc, stage_args
 
 
 def add_parser(sub: Commands) -> None:

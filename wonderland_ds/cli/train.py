@@ -16,12 +16,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from wonderland_ds.cli.attempts import continue_hint, move_attempt_aside, refuse_rerun
-from wonderland_ds.cli.common import Commands, add_launch_flags, add_rerun_flag, hostfile_or_refuse
-from wonderland_ds.core.findings import EXIT_GUARD, EXIT_OK, EXIT_REFUSED, render
+from wonderland_ds.cli.common import Commands, add_launch_flags, add_rerun_flag
+from wonderland_ds.core.findings import (
+    EXIT_GUARD,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_STOPPED,
+    Refused,
+    Stopped,
+    render,
+)
 from wonderland_ds.launch.flags import add_stage_flags
 
 if TYPE_CHECKING:  # imported where used: the plan module brings pydantic and the config models
     from wonderland_ds.launch.plan import StagePlan
+    from wonderland_ds.launch.supervise import Supervisor
 
 #: What a launch runs: (command, environment, notes for the user) for a stage's flags.
 CommandFor = Callable[[argparse.Namespace], tuple[list[str], dict[str, str], list[str]]]
@@ -59,37 +68,61 @@ def _dry_run(
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """``wonderland train``: the stage under this process's stop signals; a stop that asks for
+    it requeues the Slurm job afterwards."""
+    from wonderland_ds.launch.supervise import Supervisor
+
+    with Supervisor() as sup:
+        rc = train_stage(args, sup)
+        return after_stop(args, rc, sup, Path(args.run_dir) if args.run_dir else None)
+
+
+def train_stage(args: argparse.Namespace, sup: Supervisor) -> int:
+    """One stage, restarted as ``--max-restarts`` allows; a signal before a launch stops it
+    with nothing started (exit 4)."""
+    try:
+        return _train(args, sup)
+    except Stopped as exc:
+        print(
+            f"stage {args.stage}: stopped on {exc.request.describe()} before its launch;"
+            " nothing was started",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_STOPPED
+
+
+def _train(args: argparse.Namespace, sup: Supervisor) -> int:
     from wonderland_ds.checkpoint import contract as ck
-    from wonderland_ds.launch import command as launch
     from wonderland_ds.launch.plan import StageOptions
     from wonderland_ds.launch.stage import plan_stage, resolve_run_dir
+    from wonderland_ds.launch.target import decide
     from wonderland_ds.run import manifest
 
-    hf = hostfile_or_refuse(args.hostfile)
+    target = decide(args.hostfile, args.launcher, args.nproc)
     run_dir = resolve_run_dir(args)
     refuse_rerun(args, run_dir)
     exclude: list[str] = []
 
-    def world_of() -> int:
-        hosts = {h: n for h, n in hf.hosts.items() if h not in exclude}
-        return args.nproc * len(hosts) if args.nproc else sum(hosts.values())
-
     def command(a: argparse.Namespace) -> tuple[list[str], dict[str, str], list[str]]:
         # The ranks' flags, from the same options the plan records (paths made absolute).
         argv = StageOptions.from_args(a, run_dir.resolve()).argv()
-        return launch.build(hf, a.nproc, argv, run_dir, a.master_port, a.launcher, exclude)
+        return target.command(a.nproc, argv, run_dir, a.master_port, exclude)
 
     if args.dry_run:
         cmd, _, notes = command(args)
-        world = world_of()
+        world = target.world(args.nproc, exclude)
         return _dry_run(args, run_dir, world, cmd, plan_stage(args, world, run_dir)[0], notes)
     restarts: list[dict] = []
     attempt_args = args
     started = time.time()
     port_retries = 0
     while True:
-        rc, settings, port_taken = _launch_once(attempt_args, run_dir, world_of(), command, started)
-        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
+        world = target.world(args.nproc, exclude)
+        rc, settings, port_taken = _launch_once(
+            attempt_args, run_dir, world, command, started, sup, target.srun
+        )
+        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD, EXIT_STOPPED) or sup.stop is not None:
             break
         if port_taken and args.master_port is None and port_retries < 2:
             # The automatically chosen port was taken between its choice and the rendezvous:
@@ -112,7 +145,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         newest = ck.newest_complete(run_dir / f"stage{args.stage}" / "checkpoints", deep=False)
         since = newest.tag_dir.stat().st_mtime if newest else started
         failed = entry.failed_hosts
-        if args.exclude_failed_hosts and failed and len(hf.hosts) > 1:
+        many_hosts = len(target.hostfile.hosts) > 1 if target.hostfile else len(target.hosts) > 1
+        if args.exclude_failed_hosts and failed and many_hosts:
             exclude[:] = sorted(set(exclude) | set(failed))
         restarts.append(
             {
@@ -145,23 +179,92 @@ def cmd_train(args: argparse.Namespace) -> int:
     return rc
 
 
+def after_stop(args: argparse.Namespace, rc: int, sup: Supervisor, run_dir: Path | None) -> int:
+    """After a stop on Slurm's warning signal or the time limit, saved: requeue the job when
+    asked (``--requeue`` or ``wonderland.preemption.requeue``). Last thing the command does:
+    Slurm signals every process of the job at once."""
+    from wonderland_ds.core.slurm import Allocation
+
+    alloc = Allocation.from_env()
+    if rc != EXIT_STOPPED or alloc is None:
+        return rc
+    record = None
+    if run_dir is not None:
+        from wonderland_ds.run import manifest
+
+        record = manifest.stage_record(run_dir, args.stage)
+    stop = record.stop if record is not None else None
+    wanted = bool(sup.stop and sup.stop.requeue_wanted) or bool(
+        stop and (stop.reason == "time-limit" or stop.signal == "SIGUSR1")
+    )
+    end = sup.job_end
+    if not wanted and end is not None and time.time() >= end - 60:
+        wanted = True  # Slurm's own SIGTERM at the time limit (no warning signal was asked)
+    if not (getattr(args, "requeue", False) or _requeue_setting(args)):
+        if wanted:
+            print(
+                f"Slurm job {alloc.job_id}: stopped for its time limit; not requeued (pass"
+                " --requeue or set wonderland.preemption.requeue to continue by itself)",
+                file=sys.stderr,
+            )
+        return rc
+    if not wanted:
+        print(f"Slurm job {alloc.job_id}: stopped by a cancel, not requeued", file=sys.stderr)
+        return rc
+    print(
+        f"Slurm job {alloc.job_id}: requeued (restart {alloc.restart_count + 1}); the same command"
+        " continues the stage from its newest complete checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    if run_dir is not None and stop is not None:
+        from wonderland_ds.run import manifest
+
+        manifest.update_stage(
+            run_dir, args.stage, stop=stop.model_copy(update={"requeued": True}).model_dump()
+        )
+    why = alloc.requeue()
+    if why is not None:
+        print(f"requeue failed: {why}", file=sys.stderr)
+    return rc
+
+
+def _requeue_setting(args: argparse.Namespace) -> bool:
+    from wonderland_ds.launch.stage import load_config
+
+    try:
+        return load_config(args.config, args.stage, None)[2].preemption.requeue
+    except Refused:
+        return False
+
+
 def _launch_once(
-    args: argparse.Namespace, run_dir: Path, world: int, command: CommandFor, started: float
+    args: argparse.Namespace,
+    run_dir: Path,
+    world: int,
+    command: CommandFor,
+    started: float,
+    sup: Supervisor,
+    srun: bool,
 ) -> tuple[int, Any, bool]:
     """One launch of the stage: preflight here (a refusal raises), then DeepSpeed's
-    launcher. (exit code, the stage's settings, whether no rank started on a taken port)."""
+    launcher or srun. (exit code, the stage's settings, whether no rank started on a taken
+    port)."""
     from wonderland_ds.launch import command as launch
     from wonderland_ds.launch import plan as plan_mod
     from wonderland_ds.launch import stage
+    from wonderland_ds.launch.supervise import clear_request, wait_for_ranks
     from wonderland_ds.run import liveness as runstate
     from wonderland_ds.run import manifest
 
+    sup.arm()
     cmd, env, notes = command(args)
     receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd += ["--verified", str(receipt.resolve())]
+    stage_dir = run_dir / f"stage{args.stage}"
     # With --preload-launcher, DeepSpeed's launcher imports itself while the preflight below
     # runs; it launches nothing until released, and is killed if the preflight refuses.
-    early = launch.Launch(cmd, env, preload=getattr(args, "preload_launcher", False))
+    early = launch.Launch(cmd, env, preload=getattr(args, "preload_launcher", False) and not srun)
     try:
         if getattr(args, "rerun", False):
             args.rerun_pending = True  # the preflight looks past the old attempt's folder
@@ -172,7 +275,8 @@ def _launch_once(
             move_attempt_aside(run_dir, args.stage)
             args.rerun, args.rerun_pending = False, False
         run_dir.mkdir(parents=True, exist_ok=True)
-        notes += launch.write_env_file(run_dir, env)[1]
+        if not srun:
+            notes += launch.write_env_file(run_dir, env)[1]
         # Rank 0 takes this plan, and what was verified here, instead of deciding again: the
         # checkpoint and data are read once (the plain `deepspeed ... train.py` path decides
         # on rank 0).
@@ -180,26 +284,40 @@ def _launch_once(
         for note in notes:
             print(f"note: {note}")
         print("launch: " + shlex.join(cmd), flush=True)
+        clear_request(stage_dir)
         manifest.update_stage(
             run_dir,
             args.stage,
             status="running",
-            front={"pid": os.getpid(), "host": runstate.host(), "started": manifest.now()},
+            front={
+                "pid": os.getpid(),
+                "host": runstate.host(),
+                "started": manifest.now(),
+                "launch_flags": _launch_flags(args),
+            },
+            error=None,
+            exit_code=None,
         )
     except BaseException:
         early.cancel()
         raise
-    rc = early.go()
+    sup.launching(stage_dir, srun)
+    rc = early.go(on_start=sup.attach)
+    sup.detach()
+    if sup.stop is not None and not wait_for_ranks(stage_dir, started):
+        print(f"stage {args.stage}: ranks still alive after the stop; not waiting longer")
     port_taken = False
     # Killed or crashed ranks leave DeepSpeed's /dev/shm all-reduce buffers behind: no rank of
     # this launch is alive now, so its buffers (named by its port) can go.
     from wonderland_ds.core.distributed import shm_buffers
 
-    port = cmd[cmd.index("--master_port") + 1]
+    port = env["MASTER_PORT"] if srun else cmd[cmd.index("--master_port") + 1]
     for path in shm_buffers(port):
         Path(path).unlink(missing_ok=True)
+    entry = manifest.stage_record(run_dir, args.stage)
+    if entry.status == "preempted":
+        return EXIT_STOPPED, settings, False  # the ranks stopped on a signal, saved
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
-        entry = manifest.stage_record(run_dir, args.stage)
         beats = runstate.heartbeats(run_dir / f"stage{args.stage}")
         ranks_started = any(b.get("time", 0) >= started for b in beats)
         taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
@@ -224,11 +342,21 @@ def _launch_once(
             why = f"rank 0 reported: {entry.error or 'no error text'}"
             manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
         print(
-            f"stage {args.stage} failed: the deepspeed launcher exited with {rc}; {why}"
+            f"stage {args.stage} failed: the launcher exited with {rc}; {why}"
             f" (each rank's output is above). Continue with: {continue_hint(args, run_dir)}",
             file=sys.stderr,
         )
     return rc, settings, port_taken
+
+
+def _launch_flags(args: argparse.Namespace) -> list[str]:
+    """The launch flags this stage was started with (the hint that continues it repeats them)."""
+    out: list[str] = []
+    for flag in ("hostfile", "nproc", "launcher"):
+        value = getattr(args, flag, None)
+        if value is not None and value != "auto":
+            out += [f"--{flag}", str(value)]
+    return out
 
 
 def _train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -114,6 +114,25 @@ class Guards(_Strict):
     """Rollbacks a stage may make; the next ``rollback`` stops it instead."""
 
 
+class Preemption(_Strict):
+    """Stopping on a signal or the job's time limit, and coming back (Slurm)."""
+
+    requeue: bool = False
+    """After a stop on Slurm's warning signal (``--signal=B:USR1@...``) or the job's time limit,
+    ``scontrol requeue`` the job once the checkpoint is saved: it runs the same command again and
+    continues the stage (submit it with ``--requeue``). A ``scancel`` is never requeued.
+    ``--requeue`` on the command line sets it."""
+    time_limit_stop: bool = True
+    """Inside a Slurm job, stop and save before the job's end time (``squeue``'s end time) on
+    its own, even when the job was submitted without ``--signal``."""
+    stop_margin_s: float | None = Field(None, gt=0.0)
+    """How long before the job's end time to stop. None: from what this stage measured: twice
+    its slowest recent step, plus its last save's full duration (before the first save: its
+    model state at 100 MB/s), plus 15 s to exit."""
+    end_time_poll_s: float = Field(60.0, ge=1.0)
+    """How often rank 0 reads the job's end time again (``scontrol update`` can move it)."""
+
+
 class HFModel(_Strict):
     """The causal-LM task's model: a Hugging Face model directory."""
 
@@ -211,6 +230,8 @@ class WonderlandSettings(_Strict):
     """Stage 17's gate."""
     guards: Guards = Field(default_factory=Guards)
     """The health guards while a stage trains."""
+    preemption: Preemption = Field(default_factory=Preemption)
+    """Stops on a signal or the job's time limit, and the requeue after them."""
 
     @field_validator("gloo_slice_us")
     @classmethod

@@ -24,8 +24,11 @@ def init(timeout_s: int) -> None:
     import deepspeed
     from torch.distributed import distributed_c10d as c10d
 
+    from wonderland_ds.core import slurm
+
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        slurm.export_task_rank()  # under a plain srun: the ranks from SLURM_PROCID and the rest
         deepspeed.init_distributed(timeout=timeout, dist_backend=backend())
     # ZeRO reduces on DeepSpeed's own copy of the world group (groups._clone_world_group:
     # new_group(ranks), no timeout), and torch gives such groups its built-in default (30 min

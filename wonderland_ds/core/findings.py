@@ -11,14 +11,16 @@ import json
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Severity = Literal["ok", "info", "warn", "error"]
 
-#: Exit codes: 0 success, 2 refused input, 3 a health guard stopped the run.
+#: Exit codes: 0 success, 2 refused input, 3 a health guard stopped the run, 4 stopped on a
+#: signal or the job's time limit with everything trained in a complete checkpoint (resumable).
 EXIT_OK = 0
 EXIT_REFUSED = 2
 EXIT_GUARD = 3
+EXIT_STOPPED = 4
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,25 @@ class GuardStop(Exception):
     def __init__(self, findings: Iterable[Finding]) -> None:
         self.findings = list(findings)
         super().__init__("; ".join(f.message for f in self.findings))
+
+
+class Stopped(Exception):
+    """A stage stopped on a signal or the time limit: exit code 4. ``checkpoint``: the complete
+    checkpoint that holds every trained step (None: the stage has none yet); ``step``: the
+    global step it holds; ``saved``: whether the stop wrote it; ``agreed``: every rank stops
+    at the same point (a training stage's stop), so they tear down together."""
+
+    def __init__(
+        self,
+        request: Any,
+        step: int | None = None,
+        checkpoint: str | None = None,
+        saved: bool = False,
+        agreed: bool = False,
+    ) -> None:
+        self.request, self.step, self.checkpoint, self.saved = request, step, checkpoint, saved
+        self.agreed = agreed
+        super().__init__(f"stopped on {request.describe()}")
 
 
 def has_errors(findings: Iterable[Finding]) -> bool:

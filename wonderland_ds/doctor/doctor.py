@@ -29,6 +29,7 @@ from wonderland_ds.doctor.environment import check_env
 from wonderland_ds.doctor.hosts import check_hosts
 from wonderland_ds.doctor.ops import check_deepspeed
 from wonderland_ds.doctor.prebuild import prebuild
+from wonderland_ds.doctor.slurm import check_slurm
 from wonderland_ds.doctor.toolchain import (
     check_nccl,
     check_nvcc,
@@ -82,6 +83,7 @@ def run_checks(
         host_findings, multi = check_hosts(hostfile)
     out += check_env(env, multi, Path.home(), Path.cwd(), pg_timeout_s)
     out += host_findings
+    out += check_slurm(env)
     if run_dir is None and checkpoint:  # the run that holds the checkpoint, if any
         from wonderland_ds.run.manifest import NAME
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from wonderland_ds.config.hostfile import Hostfile
@@ -191,8 +192,9 @@ class Launch:
             )
             os.close(r)
 
-    def go(self) -> int:
-        """Release the launcher (or start it) and wait for it; its exit code."""
+    def go(self, on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> int:
+        """Release the launcher (or start it) and wait for it; its exit code. ``on_start``:
+        called with the launcher's process once it runs."""
         if self.proc is None:
             self.proc = subprocess.Popen(self.cmd, env=self.env)
         else:
@@ -200,6 +202,8 @@ class Launch:
             os.write(self._w, b"go\n")
             os.close(self._w)
             self._w = None
+        if on_start is not None:
+            on_start(self.proc)
         try:
             return self.proc.wait()
         except KeyboardInterrupt:  # the launcher got the same SIGINT: let it stop its ranks

@@ -128,9 +128,10 @@ class StagePlan(BaseModel):
     def run_dir(self) -> Path:
         return Path(self.options.run_dir)
 
-    def inputs(self, task: Task, heartbeat: Any = None) -> StageInputs:
+    def inputs(self, task: Task, heartbeat: Any = None, signals: Any = None) -> StageInputs:
         """What the training, evaluation and export code is handed."""
         return StageInputs(
+            signals=signals,
             task=task,
             cfg=self.cfg,
             settings=self.settings,

@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from wonderland_ds.config import stages
 from wonderland_ds.core.distributed import log
-from wonderland_ds.core.findings import Finding, Refused, render
+from wonderland_ds.core.findings import Finding, Refused, Stopped, render
+from wonderland_ds.core.signals import StopRequest, StopSignals
+from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data import tasks
 from wonderland_ds.launch.flags import overrides
 from wonderland_ds.launch.plan import StagePlan
@@ -30,11 +33,14 @@ from wonderland_ds.launch.stage import (
 )
 from wonderland_ds.run import manifest
 from wonderland_ds.run.liveness import Heartbeat
+from wonderland_ds.run.manifest import AllocationRecord, StopRecord
 from wonderland_ds.training import faults, startup
 
 
-def run(args: argparse.Namespace) -> int:
-    """The per-rank body of ``train.py`` (distributed is initialised inside)."""
+def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
+    """The per-rank body of ``train.py`` (distributed is initialised inside). ``signals``: the
+    stop signals installed since the rank started (a training stage stops at a step, saved;
+    an evaluation or export stops at once)."""
     from wonderland_ds.core import distributed as dist
 
     # A config refusal is the same on every rank: decide before starting the process group.
@@ -67,11 +73,18 @@ def run(args: argparse.Namespace) -> int:
     if dist.is_main():
         render(plan.findings, args.json)
     st = stages.get(args.stage)
+    signals = signals or StopSignals()
+    if st.kind != "train":  # nothing to save: a stop is at once
+        signals.on_first = _raise_stopped
+        if signals.first is not None:
+            _raise_stopped(signals.first)
     stage_dir = run_dir / f"stage{args.stage}"
     fault = faults.parse(args.fault)
     fault.remember(stage_dir / "faults")  # a one-shot fault acts once per stage, restarts too
     heartbeat = Heartbeat(stage_dir, dist.rank()).start()
-    inputs = decided.inputs(task, heartbeat)
+    inputs = decided.inputs(task, heartbeat, signals)
+    alloc = Allocation.from_env()
+    first_step = plan.source_info.get("global_step") if plan.source else 0
     if dist.is_main():
         stage_dir.mkdir(parents=True, exist_ok=True)
         (stage_dir / "preflight.json").write_text(json.dumps(plan.to_dict(), indent=2))
@@ -94,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             finished=None,
             grad_acc=decided.ds_dict["gradient_accumulation_steps"],
             argv=decided.options.argv(),
+            stop=None,
+            **_allocation_started(run_dir, args.stage, alloc, first_step),
         )
     try:
         if st.kind == "train":
@@ -118,23 +133,37 @@ def run(args: argparse.Namespace) -> int:
         hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
         if hung:
             print(f"[wonderland] {hung}", file=sys.stderr, flush=True)
-        if dist.is_main():
+        if dist.is_main() and isinstance(exc, Stopped):
+            stop = _stop_record(exc)
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status="preempted",
+                finished=manifest.now(),
+                stop=stop.model_dump(),
+                error=None,
+                **_allocation_ended(run_dir, args.stage, alloc, exc.step, "preempted", stop.detail),
+            )
+        elif dist.is_main():
             stopped = type(exc).__name__ == "GuardStop"
             status = (
                 ("gate-failed" if st.kind == "eval" else "guard-stopped") if stopped else ("failed")
             )
+            error = (hung or str(exc))[:500]
             manifest.update_stage(
                 run_dir,
                 args.stage,
                 status=status,
                 finished=manifest.now(),
-                error=(hung or str(exc))[:500],
+                error=error,
                 failed_hosts=_named_hosts(hung),
+                **_allocation_ended(run_dir, args.stage, alloc, None, status, error),
             )
         raise
     heartbeat.stop()
     if dist.is_main():
         output = result.get("checkpoint") if st.kind == "train" else None
+        reached = result.get("global_step") if st.kind == "train" else None
         manifest.update_stage(
             run_dir,
             args.stage,
@@ -142,9 +171,82 @@ def run(args: argparse.Namespace) -> int:
             finished=manifest.now(),
             output_checkpoint=output,
             **result,
+            **_allocation_ended(run_dir, args.stage, alloc, reached, "ok", None),
         )
         log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
+
+
+def _raise_stopped(stop: StopRequest) -> None:
+    raise Stopped(stop)
+
+
+def _stop_record(exc: Stopped) -> StopRecord:
+    req = exc.request
+    return StopRecord(
+        reason=req.reason,
+        signal=req.signal,
+        detail=req.describe(),
+        step=exc.step,
+        checkpoint=exc.checkpoint,
+        saved=exc.saved,
+        seconds=round(time.time() - req.at, 3),
+    )
+
+
+def _allocation_started(
+    run_dir: Path, stage: int, alloc: Allocation | None, first_step: Any
+) -> dict[str, Any]:
+    """The stage's lineage across Slurm allocations: this one appended (a requeued job's
+    run, or the first)."""
+    if alloc is None:
+        return {}
+    got = list(manifest.stage_record(run_dir, stage).allocations)
+    try:
+        nodes = alloc.hosts()
+    except RuntimeError:
+        nodes = [alloc.nodelist]
+    got.append(
+        AllocationRecord(
+            job_id=alloc.job_id,
+            restart_count=alloc.restart_count,
+            nodes=nodes,
+            started=manifest.now(),
+            first_step=first_step if isinstance(first_step, int) else None,
+        )
+    )
+    return {"allocations": [a.model_dump() for a in got]}
+
+
+def _allocation_ended(
+    run_dir: Path,
+    stage: int,
+    alloc: Allocation | None,
+    last_step: int | None,
+    outcome: str,
+    why: str | None,
+) -> dict[str, Any]:
+    if alloc is None:
+        return {}
+    got = list(manifest.stage_record(run_dir, stage).allocations)
+    if not got or got[-1].job_id != alloc.job_id:
+        return {}
+    this = got[-1]
+    done = (
+        last_step - this.first_step
+        if last_step is not None and this.first_step is not None
+        else None
+    )
+    got[-1] = this.model_copy(
+        update={
+            "ended": manifest.now(),
+            "last_step": last_step,
+            "steps_done": done,
+            "outcome": outcome,
+            "why": why,
+        }
+    )
+    return {"allocations": [a.model_dump() for a in got]}
 
 
 def _lineage(source: Path | None) -> dict[str, Any]:

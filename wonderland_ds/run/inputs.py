@@ -21,3 +21,4 @@ class StageInputs:
     raw: dict[str, Any]
     preflight: Plan
     heartbeat: Any = None  # run.liveness.Heartbeat on a launched rank; None in tests
+    signals: Any = None  # core.signals.StopSignals on a launched rank; None in tests

@@ -102,6 +102,49 @@ class ResumeRecord(BaseModel):
     """Universal after a planned reshard: why the engine could not take it."""
 
 
+class StopRecord(BaseModel):
+    """A stage stopped on a signal or the job's time limit (status ``preempted``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str
+    """``signal``, ``time-limit`` or ``front`` (the launching process got the signal)."""
+    signal: str | None = None
+    detail: str = ""
+    step: int | None = None
+    """The global step the stage stopped at."""
+    checkpoint: str | None = None
+    """The complete checkpoint holding every trained step (None: the stage has none)."""
+    saved: bool = False
+    """The stop wrote that checkpoint (False: nothing was trained since it, or it predates)."""
+    seconds: float | None = None
+    """From the request (the first signal on rank 0, else its agreement) to the saved checkpoint."""
+    requeued: bool | None = None
+    """Slurm: the job was requeued after the stop (None: not asked)."""
+
+
+class AllocationRecord(BaseModel):
+    """One Slurm allocation that ran (part of) the stage: the stage's lineage across requeues."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str
+    restart_count: int = 0
+    """``SLURM_RESTART_COUNT``: 0 on the job's first run, N after its N-th requeue."""
+    nodes: list[str] = []
+    started: str | None = None
+    first_step: int | None = None
+    """The global step this allocation started training from."""
+    ended: str | None = None
+    last_step: int | None = None
+    """The global step it reached (saved, for a stop)."""
+    steps_done: int | None = None
+    outcome: str | None = None
+    """How this allocation's part ended: ``ok``, ``preempted``, ``failed``..."""
+    why: str | None = None
+    """Why it stopped, for a stop or a failure."""
+
+
 class StageRecord(BaseModel):
     """One stage's entry of ``run.json``, as the front and the ranks read it back. The fields
     listed are typed; stage-specific ones (a report's figures, a gate) are kept as written."""
@@ -130,6 +173,8 @@ class StageRecord(BaseModel):
     failed_hosts: list[str] = []
     failed_rank: int | None = None
     resume: ResumeRecord | None = None
+    stop: StopRecord | None = None
+    allocations: list[AllocationRecord] = []
 
 
 def stage_record(run_dir: Path, stage: int) -> StageRecord:

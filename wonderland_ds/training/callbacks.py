@@ -16,6 +16,7 @@ import torch
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.findings import Stopped
 from wonderland_ds.run import manifest
 from wonderland_ds.training import faults
 from wonderland_ds.training.guards import StepGuards
@@ -223,9 +224,19 @@ class ProgressReport(Callback):
             )
 
     def on_error(self, exc: BaseException) -> None:
-        if self.display is not None:
+        if self.display is None:
+            return
+        step = int(self.engine.global_steps)
+        if isinstance(exc, Stopped):
+            saved = (
+                f", saved in {Path(exc.checkpoint).name}" if exc.saved and exc.checkpoint else ""
+            )
+            self.display.close(
+                f"stopped at step {step} of {self.end} on {exc.request.describe()}{saved}"
+            )
+        else:
             # Not "done": a collective timed out, a rank died, or the user interrupted.
-            self.display.close(f"failed at step {int(self.engine.global_steps)} of {self.end}")
+            self.display.close(f"failed at step {step} of {self.end}")
 
     def on_close(self) -> None:
         if self.display is not None and self.sink is not None:

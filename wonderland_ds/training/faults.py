@@ -13,6 +13,8 @@ first) to ``until`` (default: forever).
 ``drop@grad:rank=1:step=10:until=12``  rank 1's gradients are zeroed before the reduction
 ``slow@comm:rank=1:factor=2``  rank 1's communication takes 2x: the start check's transfers and,
                               during training, a sleep before its gradient reduction
+``slow@save-before-meta:factor=8``  rank 0's saves wait 8 s after the shards, before the
+                              metadata (a slow filesystem: a window to signal or kill a save)
 ``perturb@step:rank=1:step=30``  rank 1's weights get noise after every step from 30 on
                               (a persistently faulty replica)
 ``diskfull@save:step=20``     from the save of step 20 on, rank 0 cannot write more than 64 KiB
@@ -63,7 +65,7 @@ _VALID = {
     "nan": ("step",),
     "spike": ("step",),
     "drop": ("grad",),
-    "slow": ("comm",),
+    "slow": ("comm", "save-after-shards", "save-before-meta"),
     "perturb": ("step",),
     "hang": ("step",),
     "diskfull": ("save",),
@@ -200,6 +202,12 @@ def maybe(plan: FaultPlan, point: str, step: int, rank: int | None = None) -> No
     for f in plan.at(point, step, r, "hang"):
         plan.announce(f, step, r)
         os.kill(os.getpid(), signal.SIGSTOP)  # frozen, not dead: only SIGKILL/SIGCONT end it
+    if point.startswith("save"):
+        for f in plan.at(point, step, r, "slow"):
+            import time
+
+            plan.announce(f, step, r)
+            time.sleep(f.factor)
 
 
 def corrupt_loss(plan: FaultPlan, loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:

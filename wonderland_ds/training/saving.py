@@ -33,6 +33,7 @@ class Saver(Callback):
         self.timeout = float(run.settings.process_group_timeout_s)
         self.writer: async_ckpt.Writer | None = None
         self.blocked: list[float] = []  # seconds each save blocked training
+        self.save_s: float | None = None  # rank 0: the last complete save, start to `latest`
 
     @property
     def busy(self) -> bool:
@@ -110,6 +111,7 @@ class Saver(Callback):
                     timeout,
                     lambda point: faults.maybe(run.fault, f"save-{point}", step, 0),
                 )
+                self.save_s = time.perf_counter() - t0
 
             writer.submit(finalize)
         if not run.settings.async_save:

@@ -150,6 +150,7 @@ def train(
         steps=args.steps or settings.steps_for(args.stage),
         fault=fault,
         heartbeat=inputs.heartbeat,
+        signals=inputs.signals,
     )
     if plan.source is None:
         prog, norm = fresh_progress(run)

@@ -35,6 +35,8 @@ class StageRun:
     fault: faults.FaultPlan = field(default_factory=faults.FaultPlan)
     heartbeat: Any = None
     """The rank's :class:`~wonderland_ds.run.liveness.Heartbeat`; the loop sets its ``step``."""
+    signals: Any = None
+    """The rank's :class:`~wonderland_ds.core.signals.StopSignals` (None: none installed)."""
 
     @property
     def stage_dir(self) -> Path:

@@ -18,6 +18,9 @@ import torch
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.findings import Stopped
+from wonderland_ds.core.signals import StopRequest, StopSignals
+from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data.sampler import GlobalSampler, Prefetcher
 from wonderland_ds.data.tasks import Split
 from wonderland_ds.training import cpu, startup
@@ -32,6 +35,7 @@ from wonderland_ds.training.checks import Checks
 from wonderland_ds.training.rollback import guard_stop, rollback
 from wonderland_ds.training.saving import Saver
 from wonderland_ds.training.state import DTYPES, Progress, StageRun
+from wonderland_ds.training.stopping import StopAgreement
 
 
 def fit(
@@ -71,6 +75,13 @@ def _peak_rss_mb() -> float | None:
     return None
 
 
+def _state_bytes(module: torch.nn.Module, world: int) -> int:
+    """About what one rank's save writes: its share of the fp32 weights and Adam's two
+    moments, plus the module's weights on rank 0 (ZeRO-3 parameters count their full size)."""
+    numel = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in module.parameters())
+    return int(numel * (12 / max(world, 1) + 4))
+
+
 class Trainer:
     """One stage's training on this rank: ``run.steps`` optimizer steps from the engine's."""
 
@@ -87,7 +98,15 @@ class Trainer:
         self.on_host = torch.device(engine.device).type == "cpu"  # batches are in host memory
         self.checks = Checks(run, engine, verify)
         self.saver = Saver(run, engine)
-        self.callbacks: list[Callback] = [self.checks, self.saver]
+        self.stopper = StopAgreement(
+            run.signals or StopSignals(),
+            run.settings.preemption,
+            run.stage_dir,
+            lambda: self.saver.save_s,
+            _state_bytes(engine.module, self.world),
+            Allocation.from_env(),
+        )
+        self.callbacks: list[Callback] = [self.checks, self.saver, self.stopper]
         if run.heartbeat is not None:  # before the step's fault point: a killed rank's last
             self.callbacks.append(Heartbeat(run.heartbeat))  # heartbeat has its step
         self.callbacks.append(FaultInjection(run.fault, engine.module))
@@ -127,9 +146,15 @@ class Trainer:
         startup.release()
         t_start = time.perf_counter()
         try:
+            stop = self.stopper.at_start()
+            if stop is not None:
+                raise self._stopped(stop, saved=False)
             while int(self.engine.global_steps) < self.end:
                 done = self._step(int(self.engine.global_steps))
-                save_due = done % self.run.settings.save_interval == 0 or done >= self.end
+                stop = self.stopper.agreed()  # a signal or the time limit, known to every rank
+                save_due = (
+                    stop is not None or done % self.run.settings.save_interval == 0
+                ) or done >= self.end
                 verdict = self.checks.after_step(done, save_due)
                 if verdict is None:
                     continue
@@ -144,6 +169,8 @@ class Trainer:
                         self.prog, self.checks.last_loss, verdict.settled
                     )
                     self._fire("post_save", tag_dir, held)
+                if stop is not None and done < self.end:
+                    raise self._stopped(stop, saved=verdict.kind != "rollback")
             self._fire("on_train_end")
         except BaseException as exc:
             self._fire("on_error", exc)
@@ -191,6 +218,15 @@ class Trainer:
         for hook in self._post_step:
             hook(done)
         return done
+
+    def _stopped(self, stop: StopRequest, saved: bool) -> Stopped:
+        """The stage stops at this step: its save (if it made one) complete and verified on
+        every rank, the metrics rows written; the exception the rank's entry exits 4 on."""
+        self.saver.finish_pending()
+        step = int(self.engine.global_steps)
+        newest = ck.newest_complete(self.run.ckpt_root, deep=False)
+        where = str(newest.tag_dir) if newest is not None else None
+        return Stopped(stop, step=step, checkpoint=where, saved=saved, agreed=True)
 
     def _rollback(self) -> None:
         """Reload the newest complete checkpoint and go on from it, on fresh batches."""
