@@ -15,18 +15,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.checkpoint import zero_layout as zl
+from wonderland_ds.checkpoint import zero_partitions as zp
 from wonderland_ds.run import preflight
 
 
-def _group(rng: random.Random, n: int) -> list[zl.ParamSpan]:
-    return [zl.ParamSpan(name=f"p{i}", numel=rng.randint(1, 40)) for i in range(n)]
+def _group(rng: random.Random, n: int) -> list[zp.ParamSpan]:
+    return [zp.ParamSpan(name=f"p{i}", numel=rng.randint(1, 40)) for i in range(n)]
 
 
 def _partition(family, group, world, rank, values, pad=np.nan):
     """Rank ``rank``'s flat partition built from the parameters' full values."""
-    out = np.full(zl.partition_numel(family, group, world), pad)
-    for pc in zl.pieces(family, group, world, rank):
+    out = np.full(zp.partition_numel(family, group, world), pad)
+    for pc in zp.pieces(family, group, world, rank):
         out[pc.flat_start : pc.flat_start + pc.numel] = values[pc.name][
             pc.param_start : pc.param_start + pc.numel
         ]
@@ -43,26 +45,26 @@ def test_transfers_rebuild_every_new_partition_reading_only_its_share(family, ol
         new = old if trial % 2 else rng.sample(old, len(old))  # ZeRO-3 sub-groups may reorder
         saved = [_partition(family, old, old_world, r, values) for r in range(old_world)]
         for rank in range(world):
-            got = np.zeros(zl.partition_numel(family, new, world))
+            got = np.zeros(zp.partition_numel(family, new, world))
             read = 0
-            for c in zl.transfers(family, old, new, old_world, world, rank):
+            for c in zp.transfers(family, old, new, old_world, world, rank):
                 got[c.dst : c.dst + c.numel] = saved[c.rank][c.src : c.src + c.numel]
                 read += c.numel
             want = _partition(family, new, world, rank, values, pad=0.0)
             assert np.array_equal(got, want), (trial, rank)
             # Nothing but this rank's own elements is read (no padding, no neighbour's data).
-            assert read == sum(pc.numel for pc in zl.pieces(family, new, world, rank))
+            assert read == sum(pc.numel for pc in zp.pieces(family, new, world, rank))
             assert not np.isnan(got).any()
 
 
 def test_partition_sizes_follow_deepspeeds_alignment():
-    group = [zl.ParamSpan(name="a", numel=10), zl.ParamSpan(name="b", numel=7)]
+    group = [zp.ParamSpan(name="a", numel=10), zp.ParamSpan(name="b", numel=7)]
     # ZeRO-1/2: 17 elements padded to a multiple of 2 x world, split evenly.
-    assert zl.partition_numel("zero12", group, 3) == 6  # 18 / 3
-    assert zl.partition_numel("zero12", group, 4) == 6  # 24 / 4
+    assert zp.partition_numel("zero12", group, 3) == 6  # 18 / 3
+    assert zp.partition_numel("zero12", group, 4) == 6  # 24 / 4
     # ZeRO-3: each parameter split on its own, ceil(numel / world).
-    assert zl.partition_numel("zero3", group, 3) == 4 + 3
-    assert [(p.name, p.param_start, p.numel) for p in zl.pieces("zero3", group, 3, 2)] == [
+    assert zp.partition_numel("zero3", group, 3) == 4 + 3
+    assert [(p.name, p.param_start, p.numel) for p in zp.pieces("zero3", group, 3, 2)] == [
         ("a", 8, 2),
         ("b", 6, 1),
     ]
@@ -123,7 +125,7 @@ def test_layouts_the_reader_does_not_know_are_refused(source, tmp_path):
 def _plan(stage15_fp32, tmp_path, **kw) -> preflight.Plan:
     run = tmp_path / "run"
     shutil.copytree(stage15_fp32, run)
-    meta = preflight.ck.read_meta(run / "stage15" / "checkpoints" / "global_step40")
+    meta = ck.read_meta(run / "stage15" / "checkpoints" / "global_step40")
     args = dict(
         min_warmup=20,
         seed=7,

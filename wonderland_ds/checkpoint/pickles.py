@@ -12,6 +12,9 @@ launch, and ``torch.load`` would read every tensor's bytes to look at a few inte
   imported code ever runs) and tensors replaced by :class:`TensorStub` (shape and dtype; no
   tensor bytes are read).
 
+``tensor_map.py`` builds on the same inert unpickler (:class:`Peeker`) to locate each tensor's
+bytes in the file.
+
 :data:`TORCH_SAFE_GLOBALS` is torch's own weights-only allowlist; a test keeps it equal to the
 installed torch's.
 """
@@ -77,7 +80,7 @@ TORCH_SAFE_GLOBALS = frozenset(
 )
 
 
-def _data_pkl(path: Path | str) -> bytes:
+def data_pkl(path: Path | str) -> bytes:
     """The pickle record torch.load would run, read the way torch's reader finds it: the file
     must start with a zip entry (torch unpickles anything else directly, as a legacy file), and
     the record is ``<first entry's folder>/data.pkl``. Anything ambiguous (bytes before the
@@ -138,7 +141,7 @@ def globals_in(path: Path | str) -> set[str]:
     """Every ``module.name`` the pickle in ``path`` names through GLOBAL, read statically.
     Raises pickle.UnpicklingError on an opcode the static reader cannot follow (fail closed:
     such a file cannot be checked without running it) and ValueError on a non-torch.save file."""
-    data = io.BytesIO(_data_pkl(path))
+    data = io.BytesIO(data_pkl(path))
     read, readline = data.read, data.readline
     found: set[str] = set()
     while True:
@@ -191,7 +194,7 @@ class TensorStub:
 
 
 @dataclass(frozen=True)
-class _Storage:
+class StorageRecord:
     kind: str
     numel: int
     key: str = ""
@@ -227,7 +230,7 @@ class OpaqueObject:
         self.state = state
 
 
-class _Global:
+class Global:
     """What a global resolves to: calling it builds an :class:`Opaque` of that name."""
 
     def __init__(self, name: str) -> None:
@@ -238,11 +241,11 @@ class _Global:
 
 
 def _rebuild_tensor(storage: Any, offset: Any = 0, size: Any = (), *rest: Any) -> TensorStub:
-    kind = storage.kind if isinstance(storage, _Storage) else "unknown"
+    kind = storage.kind if isinstance(storage, StorageRecord) else "unknown"
     return TensorStub(tuple(size) if isinstance(size, (tuple, list)) else (), kind)
 
 
-_REBUILDS = {
+REBUILDS = {
     "torch._utils._rebuild_tensor",
     "torch._utils._rebuild_tensor_v2",
     "torch._utils._rebuild_tensor_v3",
@@ -259,26 +262,26 @@ _PLAIN = {
 }
 
 
-class _Peeker(pickle.Unpickler):
+class Peeker(pickle.Unpickler):
     def __init__(self, data: bytes, allowed: frozenset[str], trust: bool) -> None:
         super().__init__(io.BytesIO(data))
         self.allowed, self.trust = allowed, trust
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
-        if full in _REBUILDS:
+        if full in REBUILDS:
             return _rebuild_tensor
         if full in _PLAIN:
             return _PLAIN[full]
         if full in TORCH_SAFE_GLOBALS or full in self.allowed or self.trust:
-            return _Global(full)  # dtypes, storage types, allowlisted DeepSpeed classes
+            return Global(full)  # dtypes, storage types, allowlisted DeepSpeed classes
         raise pickle.UnpicklingError(f"global {full} is not allowlisted")
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
-            kind = pid[1].name if isinstance(pid[1], _Global) else str(pid[1])
+            kind = pid[1].name if isinstance(pid[1], Global) else str(pid[1])
             kind = getattr(pid[1], "qualname", kind)  # the mapper's stand-in types
-            return _Storage(kind.rpartition(".")[2], int(pid[4]), str(pid[2]))
+            return StorageRecord(kind.rpartition(".")[2], int(pid[4]), str(pid[2]))
         raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
 
 
@@ -286,123 +289,4 @@ def peek(path: Path | str, allowed: frozenset[str] = frozenset(), trust: bool = 
     """The object in a torch.save file with tensors as :class:`TensorStub` and every other
     global an inert :class:`Opaque`; nothing the file names is imported or called. A global
     outside torch's allowlist and ``allowed`` raises pickle.UnpicklingError unless ``trust``."""
-    return _Peeker(_data_pkl(path), allowed, trust).load()
-
-
-#: numpy's dtype and the element size of each storage type (bfloat16 has no numpy dtype: its
-#: bits as uint16).
-_ELEMENTS = {
-    "FloatStorage": ("float32", 4),
-    "DoubleStorage": ("float64", 8),
-    "HalfStorage": ("float16", 2),
-    "BFloat16Storage": ("uint16", 2),
-    "LongStorage": ("int64", 8),
-    "IntStorage": ("int32", 4),
-    "ShortStorage": ("int16", 2),
-    "CharStorage": ("int8", 1),
-    "ByteStorage": ("uint8", 1),
-    "BoolStorage": ("bool", 1),
-}
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where a contiguous tensor of a ``torch.save`` file lies: the file, the byte offset of
-    its first element and its element type. :meth:`array` maps it (no bytes read until used)."""
-
-    path: str
-    offset: int
-    storage: str
-    shape: tuple[int, ...]
-    contiguous: bool
-
-    @property
-    def dtype(self) -> str:
-        return _ELEMENTS.get(self.storage, ("", 0))[0]
-
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    def array(self) -> Any:
-        """The tensor's elements as a flat, read-only ``numpy.memmap`` (copy-on-write, so a
-        ``torch.from_numpy`` view of it is legal); nothing is read until sliced."""
-        import numpy as np
-
-        if not self.dtype or not self.contiguous:
-            raise ValueError(
-                f"cannot map a {self.storage} tensor (non-contiguous or no numpy type)"
-            )
-        if self.numel() == 0:
-            return np.zeros(0, dtype=self.dtype)
-        return np.memmap(
-            self.path, dtype=self.dtype, mode="c", offset=self.offset, shape=(self.numel(),)
-        )
-
-
-def _record_offsets(path: Path | str) -> tuple[bytes, dict[str, int]]:
-    """``data.pkl`` and the byte offset of every stored (uncompressed) record's data, by name."""
-    data = _data_pkl(path)
-    offsets: dict[str, int] = {}
-    with open(path, "rb") as fh, zipfile.ZipFile(fh) as zf:
-        for info in zf.infolist():
-            if info.compress_type != zipfile.ZIP_STORED:
-                continue
-            fh.seek(info.header_offset)
-            local = fh.read(30)
-            if local[:4] != b"PK\x03\x04":
-                raise ValueError(f"{path}: damaged zip record {info.filename}")
-            name_len, extra_len = unpack("<HH", local[26:30])
-            offsets[info.filename] = info.header_offset + 30 + name_len + extra_len
-    return data, offsets
-
-
-class _Mapper(_Peeker):
-    """:class:`_Peeker` whose tensors are :class:`TensorRef` (their place in the file)."""
-
-    def __init__(self, path: Path | str, allowed: frozenset[str], trust: bool) -> None:
-        data, self.offsets = _record_offsets(path)
-        super().__init__(data, allowed, trust)
-        self.path = str(path)
-        self.folder = next(iter(self.offsets), "archive/").split("/")[0]
-
-    def find_class(self, module: str, name: str) -> Any:
-        if f"{module}.{name}" in _REBUILDS:
-            return self._rebuild
-        found = super().find_class(module, name)
-        if isinstance(found, _Global):  # a type, so NEWOBJ (enums, named tuples) builds it too
-            return type(name, (OpaqueObject,), {"qualname": found.name})
-        return found
-
-    def _rebuild(
-        self, storage: Any, offset: Any = 0, size: Any = (), stride: Any = (), *rest: Any
-    ) -> TensorRef:
-        if not isinstance(storage, _Storage):
-            raise pickle.UnpicklingError("a tensor without a storage record")
-        shape = tuple(int(d) for d in size)
-        want: list[int] = []
-        step = 1
-        for d in reversed(shape):  # the strides of a contiguous tensor of this shape
-            want.insert(0, step)
-            step *= d
-        record = f"{self.folder}/data/{storage.key}"
-        if record not in self.offsets:
-            raise pickle.UnpicklingError(f"tensor data {record} is missing or compressed")
-        item = _ELEMENTS.get(storage.kind, ("", 0))[1]
-        return TensorRef(
-            self.path,
-            self.offsets[record] + int(offset) * item,
-            storage.kind,
-            shape,
-            all(a == b for a, b, d in zip(stride, want, shape) if d > 1),
-        )
-
-
-def map_tensors(
-    path: Path | str, allowed: frozenset[str] = frozenset(), trust: bool = False
-) -> Any:
-    """Like :func:`peek`, with every tensor a :class:`TensorRef`: the data can then be read
-    range by range, memory-mapped, without torch and without reading the rest of the file."""
-    return _Mapper(path, allowed, trust).load()
+    return Peeker(data_pkl(path), allowed, trust).load()

@@ -1,37 +1,28 @@
 """Resuming a ZeRO-1/2/3 checkpoint on another world size, resharded at load time.
 
 Every rank reads, for each flat group, just the element ranges of the old shards its new
-partition needs (:func:`~wonderland_ds.checkpoint.zero_layout.transfers`; plain reads at the
-offsets the files record), straight into the engine's fp32 partition and into the
-optimizer-state tensors it is about to own. DeepSpeed's own
+partition needs (:func:`~wonderland_ds.checkpoint.zero_partitions.transfers`; plain reads at
+the offsets the files record, ``shard_reads.py``), straight into the engine's fp32 partition
+and into the optimizer-state tensors it is about to own. DeepSpeed's own
 ``optimizer.load_state_dict`` then takes them as if this rank had saved them at this world
 size (it links the parameters, restores the loss scaler and, under ZeRO-3, the 16-bit
-partitions). No universal folder is written and no rank reads another rank's share.
-
-:func:`check` compares, per parameter, the plain and position-weighted sums of squares of the
-loaded fp32 weights and moments (found through DeepSpeed's own parameter-to-partition mapping,
-one all-reduce) with those the front computed from the source shards: a mismatch refuses the
-stage naming the parameter.
+partitions). No universal folder is written and no rank reads another rank's share. The
+loaded state is then checked against the source's norms (``load_check.py``).
 """
 
 from __future__ import annotations
 
-import math
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from wonderland_ds.checkpoint import zero_layout as zl
+from wonderland_ds.checkpoint import zero_partitions as zp
+from wonderland_ds.checkpoint.shard_reads import Report, Sources, storage_reads
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Finding, Refused
-
-#: Relative tolerance of the post-load check (float64 sums of the same fp32 values agree to
-#: ~1e-15; a misplaced range changes a parameter's norm by far more).
-RTOL = 1e-6
 
 #: What DeepSpeed's engine restores itself; every other top-level key is client state.
 _DS_STATES = (
@@ -55,19 +46,6 @@ _DS_STATES = (
     "checkpoint_parallel_dimensions",
     "universal_checkpoint_info",
 )
-
-
-@dataclass
-class Report:
-    """What this rank read to reshard."""
-
-    bytes_read: int = 0
-    """Bytes of the old shards' tensors copied (fp32 weights, states, frozen fragments)."""
-    io_read_bytes: int | None = None
-    """What this process read from storage meanwhile (``/proc/self/io``; None elsewhere):
-    the bytes above plus the pickles and the kernel's readahead around each range."""
-    files: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 def unsupported(engine: Any, layout: zl.SourceLayout) -> str | None:
@@ -110,97 +88,19 @@ def _groups(engine: Any) -> list[list[Any]]:
     )
 
 
-def _spans(engine: Any, params: list[Any]) -> list[zl.ParamSpan]:
+def _spans(engine: Any, params: list[Any]) -> list[zp.ParamSpan]:
     names = engine.param_names
     return [
-        zl.ParamSpan(name=names[p], numel=int(getattr(p, "ds_numel", 0) or p.numel()))
+        zp.ParamSpan(name=names[p], numel=int(getattr(p, "ds_numel", 0) or p.numel()))
         for p in params
     ]
-
-
-#: torch's element type of each storage a saved tensor can have (its bytes are copied as is).
-_TORCH_DTYPES = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-}
-
-
-#: Bytes per read: large enough for the disk, small enough to stay in the kernel's readahead.
-_CHUNK = 8 << 20
-
-
-class Sources:
-    """The old shards. Tensor ranges are read with plain sequential reads at the offsets the
-    files record (``pickles.map_tensors``: a memory map would fault them in page by page);
-    the rest of a file (scalars, the loss scaler) through ``torch.load(mmap=True)``.
-    Counts the bytes copied."""
-
-    def __init__(self, files: list[Path], report: Report) -> None:
-        self.files, self.report = files, report
-        self._open: dict[int, Any] = {}
-        self._refs: dict[int, Any] = {}
-        self._handles: dict[str, Any] = {}
-
-    def get(self, rank: int) -> Any:
-        if rank not in self._open:
-            # weights_only=False as DeepSpeed loads; the front scanned every pickle's globals.
-            self._open[rank] = torch.load(
-                self.files[rank], map_location="cpu", mmap=True, weights_only=False
-            )
-        return self._open[rank]
-
-    def refs(self, rank: int) -> Any:
-        if rank not in self._refs:
-            self._refs[rank] = zl.map_file(self.files[rank])
-            self.report.files.append(self.files[rank].name)
-        return self._refs[rank]
-
-    def fill(self, dest: torch.Tensor, copies: list[zl.Copy], pick: Any) -> None:
-        """Copy each range into ``dest`` (flat) from ``pick(shard)`` of its source rank."""
-        flat = dest.detach().view(-1)
-        for c in copies:
-            ref = pick(self.refs(c.rank))
-            dtype = _TORCH_DTYPES.get(getattr(ref, "storage", ""))
-            if dtype is None or not ref.contiguous:  # not a plain float tensor: torch reads it
-                src = pick(self.get(c.rank)).view(-1)
-                flat.narrow(0, c.dst, c.numel).copy_(src.narrow(0, c.src, c.numel))
-            else:
-                self._read(ref, dtype, c.src, flat.narrow(0, c.dst, c.numel))
-            self.report.bytes_read += c.numel * flat.element_size()
-
-    def _read(self, ref: Any, dtype: torch.dtype, start: int, out: torch.Tensor) -> None:
-        """Elements ``[start, start + out.numel())`` of ``ref`` into ``out``: straight into its
-        memory when it is a host tensor of the same type, else through a host buffer."""
-        direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
-        host = out if direct else torch.empty(out.numel(), dtype=dtype)
-        view = host.view(torch.uint8).numpy().data.cast("B")
-        fh = self._handles.get(ref.path)
-        if fh is None:
-            fh = self._handles[ref.path] = open(ref.path, "rb", buffering=0)  # noqa: SIM115
-        pos, done = ref.offset + start * host.element_size(), 0
-        while done < len(view):
-            n = os.preadv(fh.fileno(), [view[done : done + _CHUNK]], pos + done)
-            if n <= 0:
-                raise Refused(
-                    f"{ref.path}: the file ends inside a tensor", "inspect the checkpoint"
-                )
-            done += n
-        if not direct:
-            out.copy_(host)
-
-    def close(self) -> None:
-        for fh in self._handles.values():
-            fh.close()
-        self._handles.clear()
 
 
 def _fill_group(
     sources: Sources,
     layout: zl.SourceLayout,
     g: int,
-    new: list[zl.ParamSpan],
+    new: list[zp.ParamSpan],
     fp32: torch.Tensor,
     world: int,
     rank: int,
@@ -220,7 +120,7 @@ def _fill_group(
                 "resume with the model the checkpoint was trained with",
             )
         )
-    copies = zl.transfers(layout.family(), old, new, layout.world_size, world, rank)
+    copies = zp.transfers(layout.family(), old, new, layout.world_size, world, rank)
     fp32.detach().zero_()  # the padding too: DeepSpeed leaves it uninitialized
     sources.fill(fp32, copies, lambda sd: zl.flat_fp32(sd["optimizer_state_dict"])[g])
     states = {}
@@ -269,7 +169,7 @@ def _base_state(first: dict[str, Any], states: list[dict[str, torch.Tensor]]) ->
 def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
     """Restore ``tag_dir`` (saved at ``layout.world_size``) into ``engine``: weights, fp32
     master weights, optimizer state, scheduler and counters. Raises Refused on a mismatch."""
-    t0, io0 = time.perf_counter(), _storage_reads()
+    t0, io0 = time.perf_counter(), storage_reads()
     report = Report()
     opt = engine.optimizer
     world, rank = dist.world_size(), dist.rank()
@@ -303,27 +203,17 @@ def load(engine: Any, tag_dir: Path, layout: zl.SourceLayout) -> Report:
         _load_zero3(engine, tag_dir, layout, sources, world, rank)
     sources.close()
     report.seconds = time.perf_counter() - t0
-    io1 = _storage_reads()
+    io1 = storage_reads()
     report.io_read_bytes = None if io0 is None or io1 is None else io1 - io0
     return report
 
 
-def _storage_reads() -> int | None:
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
 def fill_frozen(
-    models: Sources, layout: zl.SourceLayout, span: zl.ParamSpan, dest: Any, world: int, rank: int
+    models: Sources, layout: zl.SourceLayout, span: zp.ParamSpan, dest: Any, world: int, rank: int
 ) -> None:
     """ZeRO-3: this rank's partition of a frozen parameter, from the saved fragments in the
     model-states files (partitioned like the trained parameters)."""
-    copies = zl.transfers("zero3", [span], [span], layout.world_size, world, rank)
+    copies = zp.transfers("zero3", [span], [span], layout.world_size, world, rank)
     models.fill(dest, copies, lambda sd: sd["frozen_param_fragments"][span.name])
 
 
@@ -379,102 +269,3 @@ def _load_zero3(
         [sd if r == rank else None for r in range(world)], load_optimizer_states=True
     )
     opt.checkpoint_event_epilogue()
-
-
-def _local_norms(engine: Any, keys: list[str]) -> dict[str, list[float]]:
-    """This rank's share of each trained parameter's sums (:func:`zl.sums` of the fp32
-    weights and each of ``keys``: plain, then position-weighted), found through DeepSpeed's
-    own mapping of parameters to partitions."""
-    opt = engine.optimizer
-    names = engine.param_names
-    out: dict[str, list[float]] = {}
-
-    def both(t: torch.Tensor | None, first: int) -> list[float]:
-        if t is None:
-            return [math.nan, math.nan]
-        flat = t.detach().reshape(-1).cpu().numpy()
-        return list(zl.sums(flat, 0, flat.size, first))
-
-    if engine.zero_optimization_stage() == 3:
-        rank = dist.rank()
-        for p in engine.module.parameters():
-            if p.requires_grad:
-                # The last ranks' partitions end in padding: only the parameter's own elements.
-                part = p.ds_tensor.ds_numel
-                real = max(0, min(part, p.ds_numel - rank * part))
-                out[names[p]] = [
-                    v
-                    for k in keys
-                    for v in both(
-                        opt.get_local_fp32_param(p, None if k == zl.FP32 else k)[:real],
-                        rank * part,
-                    )
-                ]
-        return out
-    for g, params in enumerate(opt.bit16_groups):
-        flat = opt.single_partition_of_fp32_groups[g]
-        state = opt.optimizer.state.get(flat, {})
-        for p in params:
-            mapping = getattr(p, "_hp_mapping", None)
-            if mapping is None:  # no element of this parameter on this rank
-                out[names[p]] = [0.0] * (2 * len(keys))
-                continue
-            a, first = mapping.hp_fragment_address, mapping.lp_fragment_address.start
-            out[names[p]] = [
-                v
-                for k in keys
-                for v in both(
-                    mapping.hp_fragment
-                    if k == zl.FP32
-                    else state[k].narrow(0, a.start, a.numel)
-                    if k in state
-                    else None,
-                    first,
-                )
-            ]
-    return out
-
-
-def check(engine: Any, layout: zl.SourceLayout) -> list[Finding]:
-    """The loaded fp32 weights and optimizer moments against the source's, per parameter
-    (one all-reduce of plain and position-weighted sums of squares); an error finding names
-    each parameter that differs."""
-    keys = [zl.FP32, *layout.state_keys]
-    stats = [s for k in keys for s in (k, zl.positional(k))]
-    names = sorted(layout.norms)
-    local = _local_norms(engine, keys)
-    vec = torch.tensor(
-        [v for n in names for v in local.get(n, [0.0] * len(stats))], dtype=torch.float64
-    )
-    got = dist.all_reduce_sum(vec.to(dist.device())).cpu()
-    bad = []
-    for i, name in enumerate(names):
-        for j, stat in enumerate(stats):
-            want, have = layout.norms[name].get(stat, math.nan), float(got[i * len(stats) + j])
-            if not math.isclose(want, have, rel_tol=RTOL, abs_tol=1e-30):
-                what = (
-                    "position-weighted sum of squares" if stat.endswith("@") else "sum of squares"
-                )
-                bad.append(f"{name} {stat.rstrip('@')}: {what} {have:.9g} loaded, {want:.9g} saved")
-    missing = sorted(set(local) - set(names))
-    if missing:
-        bad.append(f"not in the checkpoint: {', '.join(missing[:5])}")
-    if bad:
-        return [
-            Finding(
-                "reshard-check",
-                "error",
-                f"after the load, {len(bad)} optimizer tensor(s) differ from the checkpoint's: "
-                + "; ".join(bad[:5]),
-                "the checkpoint was not restored faithfully: resume on the world size that saved"
-                " it, or convert it with `wonderland convert` and report the difference",
-            )
-        ]
-    return [
-        Finding(
-            "reshard-check",
-            "ok",
-            f"{len(names)} parameters: fp32 weights and {', '.join(layout.state_keys) or 'no state'}"
-            f" match the checkpoint's norms and element positions (rtol {RTOL:g})",
-        )
-    ]

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from wonderland_ds.checkpoint.async_save import Writer, snapshot
+from wonderland_ds.checkpoint.async_save import Writer
+from wonderland_ds.checkpoint.staging import snapshot
 from wonderland_ds.core import ds_internals
 
 if TYPE_CHECKING:

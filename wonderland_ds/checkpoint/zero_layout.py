@@ -1,17 +1,12 @@
 """Where each parameter's fp32 master weights and optimizer moments lie in a DeepSpeed ZeRO
 checkpoint's flat per-rank partitions, read without torch.
 
-A ZeRO-1/2 rank holds one contiguous slice of each parameter group's flat vector (the
-parameters in order, padded at the end to a multiple of twice the world size); a ZeRO-3 rank
-holds, for each parameter, ``ceil(numel / world)`` elements of it, concatenated per sub-group.
-:func:`pieces` turns either into runs of one parameter (``Piece``), the same function for the
-checkpoint's world size and the new one: resharding is the intersection of the two.
-
-:func:`read_source` reads that layout from what the checkpoint records (the model states'
-``param_shapes``, each optimizer file's partition count and paddings, DeepSpeed's own
-``param_slice_mappings``, which must agree), and the per-parameter sums of squares of the fp32
-weights and every partitioned optimizer state, memory-mapped from the shards
-(:func:`source_norms`): the reference the loaded state is checked against.
+:func:`read_source` reads the layout (the partition arithmetic of ``zero_partitions.py``) from
+what the checkpoint records (the model states' ``param_shapes``, each optimizer file's
+partition count and paddings, DeepSpeed's own ``param_slice_mappings``, which must agree), and
+the per-parameter sums of squares of the fp32 weights and every partitioned optimizer state,
+memory-mapped from the shards (:func:`source_norms`): the reference the loaded state is
+checked against.
 """
 
 from __future__ import annotations
@@ -24,7 +19,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from wonderland_ds.checkpoint import pickles
+from wonderland_ds.checkpoint import tensor_map
+from wonderland_ds.checkpoint.zero_partitions import ParamSpan, partition_numel, pieces
 
 #: The DeepSpeed release line whose ZeRO partition layout this module describes.
 KNOWN_RELEASE = "0.19."
@@ -52,15 +48,6 @@ _ALLOWED = frozenset(
         "deepspeed.utils.tensor_fragment.fragment_address",
     }
 )
-
-
-class ParamSpan(BaseModel):
-    """One parameter in a flat group, in order."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    numel: int
 
 
 class SourceLayout(BaseModel):
@@ -93,90 +80,6 @@ class SourceLayout(BaseModel):
         return f"{self.prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A run of one parameter inside one rank's flat partition of a group: elements
-    ``[param_start, param_start + numel)`` of the parameter lie at ``flat_start``."""
-
-    name: str
-    param_start: int
-    numel: int
-    flat_start: int
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def partition_numel(family: str, group: list[ParamSpan], world: int) -> int:
-    """Elements of one rank's flat partition of ``group`` (padding included)."""
-    total = sum(p.numel for p in group)
-    if family == "zero3":
-        return sum(_ceil_div(p.numel, world) for p in group)
-    align = 2 * world  # DeepSpeed's nccl_start_alignment_factor x the data-parallel size
-    return _ceil_div(total, align) * align // world
-
-
-def pieces(family: str, group: list[ParamSpan], world: int, rank: int) -> list[Piece]:
-    """The runs of parameters in rank ``rank``'s flat partition of ``group`` at ``world``."""
-    out = []
-    if family == "zero3":
-        flat = 0
-        for p in group:
-            part = _ceil_div(p.numel, world)
-            lo, hi = rank * part, min(p.numel, (rank + 1) * part)
-            if hi > lo:
-                out.append(Piece(p.name, lo, hi - lo, flat))
-            flat += part
-        return out
-    size = partition_numel(family, group, world)
-    lo, hi = rank * size, (rank + 1) * size
-    start = 0
-    for p in group:
-        a, b = max(start, lo), min(start + p.numel, hi)
-        if b > a:
-            out.append(Piece(p.name, a - start, b - a, a - lo))
-        start += p.numel
-    return out
-
-
-@dataclass(frozen=True)
-class Copy:
-    """Elements ``[src, src + numel)`` of source rank ``rank``'s flat group go to
-    ``[dst, dst + numel)`` of this rank's."""
-
-    rank: int
-    src: int
-    dst: int
-    numel: int
-
-
-def transfers(
-    family: str, old: list[ParamSpan], new: list[ParamSpan], old_world: int, world: int, rank: int
-) -> list[Copy]:
-    """What rank ``rank`` of ``world`` reads, and from which source rank, to fill its flat
-    partition of a group whose source layout is ``old`` (same parameters, maybe reordered)."""
-    held: dict[str, list[tuple[int, Piece]]] = {}
-    for r in range(old_world):
-        for pc in pieces(family, old, old_world, r):
-            held.setdefault(pc.name, []).append((r, pc))
-    out = []
-    for want in pieces(family, new, world, rank):
-        lo, hi = want.param_start, want.param_start + want.numel
-        for r, have in held.get(want.name, []):
-            a, b = max(lo, have.param_start), min(hi, have.param_start + have.numel)
-            if b > a:
-                out.append(
-                    Copy(
-                        r,
-                        have.flat_start + a - have.param_start,
-                        want.flat_start + a - lo,
-                        b - a,
-                    )
-                )
-    return out
-
-
 class UnknownLayout(Exception):
     """The checkpoint's layout is not one this module describes (the universal path then)."""
 
@@ -184,7 +87,7 @@ class UnknownLayout(Exception):
 @dataclass
 class Shards:
     """The checkpoint's files, mapped: rank 0's model states and every rank's optimizer
-    states (tensors as :class:`~wonderland_ds.checkpoint.pickles.TensorRef`)."""
+    states (tensors as :class:`~wonderland_ds.checkpoint.tensor_map.TensorRef`)."""
 
     model: dict[str, Any]
     optim: list[dict[str, Any]]
@@ -193,9 +96,9 @@ class Shards:
 
 
 def map_file(path: Path) -> dict[str, Any]:
-    """A checkpoint file with its tensors as :class:`~pickles.TensorRef` (nothing read)."""
+    """A checkpoint file with its tensors as :class:`~tensor_map.TensorRef` (nothing read)."""
     try:
-        got = pickles.map_tensors(path, _ALLOWED)
+        got = tensor_map.map_tensors(path, _ALLOWED)
     except Exception as exc:  # noqa: BLE001 - damage or an unknown global: not ours to read
         raise UnknownLayout(f"{path.name}: {type(exc).__name__}: {exc}") from None
     if not isinstance(got, dict):
@@ -279,7 +182,7 @@ def read_source(tag_dir: Path, norms: bool = True) -> SourceLayout:
     keys = [
         k
         for k, v in first.items()
-        if isinstance(v, pickles.TensorRef) and v.numel() > 1 and v.dtype == "float32"
+        if isinstance(v, tensor_map.TensorRef) and v.numel() > 1 and v.dtype == "float32"
     ]
     frozen: list[ParamSpan] = []
     if stage == 3:
@@ -317,13 +220,13 @@ def _check_rank(layout: SourceLayout, osd: Any, rank: int) -> None:
     maps = osd.get("param_slice_mappings")
     for g, group in enumerate(layout.groups):
         size = partition_numel(family, group, world)
-        got = fp32[g].numel() if isinstance(fp32[g], pickles.TensorRef) else -1
+        got = fp32[g].numel() if isinstance(fp32[g], tensor_map.TensorRef) else -1
         padding = (osd.get("group_paddings") or [0] * len(layout.groups))[g]
         if got not in (size, size - padding):
             raise UnknownLayout(f"rank {rank} group {g}: {got} fp32 elements, expected {size}")
         for key in layout.state_keys:
             ref = state.get(g, {}).get(key)
-            if not isinstance(ref, pickles.TensorRef) or ref.numel() != size or not ref.dtype:
+            if not isinstance(ref, tensor_map.TensorRef) or ref.numel() != size or not ref.dtype:
                 raise UnknownLayout(f"rank {rank} group {g}: {key} is not a {size}-long partition")
         if family == "zero12":
             recorded = {name: _address(a) for name, a in (maps or [{}] * 99)[g].items()}
