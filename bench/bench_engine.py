@@ -10,13 +10,9 @@ model, data, config and process count, alternating repetitions with the order ro
 Sides: ``raw`` (a hand-written DeepSpeed loop: in-memory batches, forward/backward/step, the
 loss .item() a step as every real loop logs it), ``wonderland`` (engine.fit with the guards on,
 defaults, no saves inside the timed window), ``guards-off``, ``check-every-step``,
-``check-blocking`` (guards.overlap_check false), ``gil-5ms`` (the stage loop under Python's
-default GIL switch interval instead of engine.fit's 0.5 ms), ``nice-0`` (wonderland.loop_nice
-0), ``slice-off`` (wonderland.gloo_slice_us 0), ``raw-nice`` and ``raw-sched`` (the plain loop
-in a nicer thread, and with gloo's threads at a short slice too: what engine.fit's scheduling
-changes give a hand-written loop), ``reads-1`` (the stage's loader reading one step at a time)
-and ``raw-again`` (raw once more: the noise floor of every
-ratio). With ``--save`` it also times
+``check-blocking`` (guards.overlap_check false), ``reads-1`` (the stage's loader reading one
+step at a time) and ``raw-again`` (raw once more: the noise floor of every ratio). With
+``--save`` it also times
 checkpoint saves: DeepSpeed's own synchronous save_checkpoint against wonderland's save
 (time the loop is blocked, and time until the checkpoint is complete), with the default
 ``async_save_copy`` (``wl_*``) and without it (``serialize_*``), plus the disk's sequential
@@ -48,11 +44,6 @@ from wonderland_ds.config.settings import Guards, WonderlandSettings  # noqa: E4
 from wonderland_ds.core import distributed as dist  # noqa: E402
 from wonderland_ds.data import builtin, cache  # noqa: E402
 from wonderland_ds.training.build import build  # noqa: E402
-from wonderland_ds.training.cpu import (  # noqa: E402
-    nicer_thread,
-    short_gil_waits,
-    short_gloo_slices,
-)
 from wonderland_ds.training.saving import Saver  # noqa: E402
 from wonderland_ds.training.state import Progress, StageRun  # noqa: E402
 from wonderland_ds.training.trainer import fit  # noqa: E402
@@ -174,17 +165,13 @@ def wonderland_loop(
     steps: int,
     guards: bool,
     run_dir: Path,
-    settings: dict | None = None,
     **guard_settings,
 ) -> list[float]:
     # Default settings (progress line, metrics sink, guards) except that no checkpoint is
     # saved inside the timed window (saves are benchmarked on their own, --save).
-    # guard_settings: guards.* fields changed from their defaults (another side); settings:
-    # wonderland.* fields changed from their defaults (another side).
+    # guard_settings: guards.* fields changed from their defaults (another side).
     g = Guards(enabled=guards, **guard_settings)
-    settings = WonderlandSettings(
-        train_steps=steps, save_interval=10**9, guards=g, **(settings or {})
-    )
+    settings = WonderlandSettings(train_steps=steps, save_interval=10**9, guards=g)
     from wonderland_ds.config.ds_config import DSConfig
 
     run = StageRun(
@@ -222,33 +209,12 @@ def with_constant(module, name: str, value, run):
         setattr(module, name, before)
 
 
-def gil_5ms(run):
-    """``run()`` with the GIL switch interval at Python's default, 5 ms (also the trainer's
-    default now: ``wonderland.gil_switch_us`` is off unless a config sets it)."""
-    with short_gil_waits(0.005):
-        return run()
-
-
 def one_step_reads(run):
     """``run()`` with the stage's loader reading one step at a time (data.CHUNK_STEPS 1)
     instead of the 16 it reads at once in the step loop."""
     from wonderland_ds.data import sampler as data
 
     return with_constant(data, "CHUNK_STEPS", 1, run)
-
-
-def stage_nice(run):
-    """``run()`` in a thread as much nicer as a stage's default ``loop_nice`` (engine.fit)."""
-    with nicer_thread(WonderlandSettings().loop_nice):
-        return run()
-
-
-def stage_sched(run):
-    """``run()`` as engine.fit runs a stage's loop by default: in a nicer thread
-    (``loop_nice``) and with gloo's threads at a short time slice (``gloo_slice_us``)."""
-    defaults = WonderlandSettings()
-    with nicer_thread(defaults.loop_nice), short_gloo_slices(defaults.gloo_slice_us):
-        return run()
 
 
 def _stats(task):
@@ -452,11 +418,6 @@ def main() -> None:
             "check-every-step": [],
             "check-blocking": [],
             "raw-again": [],
-            "gil-5ms": [],
-            "nice-0": [],
-            "raw-nice": [],
-            "slice-off": [],
-            "raw-sched": [],
             "reads-1": [],
         }
         wanted = set(args.sides.split(",")) | {"raw"}
@@ -482,27 +443,6 @@ def main() -> None:
             "check-blocking": lambda rep: wonderland_loop(
                 task, config, args.steps, True, folder / f"cb{rep}", overlap_check=False
             ),
-            # The stage loop under Python's default GIL switch interval (5 ms) instead of the
-            # 0.5 ms engine.fit trains with, to show what the shorter interval saves.
-            "gil-5ms": lambda rep: gil_5ms(
-                lambda: wonderland_loop(task, config, args.steps, True, folder / f"g5{rep}")
-            ),
-            # wonderland.loop_nice 0: the stage loop at the usual priority instead of the
-            # nicer thread engine.fit trains in, to show what the nicer thread saves.
-            "nice-0": lambda rep: wonderland_loop(
-                task, config, args.steps, True, folder / f"n0{rep}", {"loop_nice": 0}
-            ),
-            # wonderland.gloo_slice_us 0: gloo's threads at their usual time slice instead of
-            # the short one engine.fit gives them, to show what the short slice saves.
-            "slice-off": lambda rep: wonderland_loop(
-                task, config, args.steps, True, folder / f"s0{rep}", {"gloo_slice_us": 0}
-            ),
-            # The plain loop in a thread as much nicer as a stage's default (loop_nice): what
-            # the same change gives a hand-written DeepSpeed loop.
-            "raw-nice": lambda rep: stage_nice(lambda: raw_loop(task, config, args.steps)),
-            # The plain loop under both of engine.fit's scheduling changes (loop_nice and
-            # gloo_slice_us): what they give a hand-written DeepSpeed loop.
-            "raw-sched": lambda rep: stage_sched(lambda: raw_loop(task, config, args.steps)),
             # The stage's loader reading one step at a time, to show what reading several
             # steps in one gather saves.
             "reads-1": lambda rep: one_step_reads(
@@ -535,12 +475,7 @@ def main() -> None:
     if args.save:
         if dist.is_main():
             result["disk_write_Bps"] = write_speed(folder)
-        # Under the GIL switch interval, in the nicer thread and with gloo's short slices a
-        # stage trains with (engine.fit sets all three; DeepSpeed's side too): the writer
-        # thread, started inside, inherits the loop's nice value, and it and the fence share
-        # the GIL as they do in a stage.
-        with short_gil_waits(0.0005):
-            result["save"] = stage_sched(lambda: save_bench(task, config, args.save, folder))
+        result["save"] = save_bench(task, config, args.save, folder)
     if dist.is_main():
         Path(args.out).write_text(json.dumps(result, indent=2))
         import shutil

@@ -4,11 +4,10 @@
 
 1. Metrics: one step's events (the 14 tags engine.fit writes on a 2-rank digits run) through
    DeepSpeed's own ``MonitorMaster.write_events``, event by event, against
-   ``monitor.write_batch`` (batched), with TensorBoard's pure-Python record checksum and with
-   the C one (``cpu.fast_tensorboard_crc``), and with the CSV files opened once per batch
-   instead of kept open (``write_batch_reopen_ms``), all into a CSV and a TensorBoard writer; CPU
-   time per step of the process (TensorBoard's writer thread included), written every 10 steps
-   as the sink does.
+   ``monitor.write_batch`` (batched), and with the CSV files opened once per batch instead of
+   kept open (``write_batch_reopen_ms``), all into a CSV and a TensorBoard writer; CPU time per
+   step of the process (TensorBoard's writer thread included), written every 10 steps as the
+   sink does.
 2. Guard hooks: forward and backward of a small bf16 model (digits' shapes) without a hook,
    with the guards' per-gradient norm hook (the norm in the gradient's dtype) and with the
    hook it replaced (an fp32 result); CPU microseconds per hooked gradient.
@@ -30,7 +29,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from wonderland_ds.training import cpu  # noqa: E402
 from wonderland_ds.training import metrics as monitor  # noqa: E402
 from wonderland_ds.training.rows import StepRow  # noqa: E402
 
@@ -68,53 +66,23 @@ def _events(steps: int, start: int) -> list[list[tuple[str, float, int]]]:
 
 
 def metrics(steps: int, reps: int) -> dict:
-    from tensorboard.summary.writer import record_writer
-
-    stock_crc = record_writer.masked_crc32c
-    if not cpu.fast_tensorboard_crc():
-        raise SystemExit("google_crc32c's C implementation is not available")
-    fast_crc = record_writer.masked_crc32c
-    # The checksum alone on one step's TensorBoard event (timeit, best of 7).
-    import timeit
-
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    step_events = _events(10, 0)[0][:14]
-    event = Event(
-        summary=Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v, _ in step_events]),
-        step=1,
-        wall_time=time.time(),
-    ).SerializeToString()
-    crc_us = {
-        name: round(min(timeit.repeat(lambda c=crc: c(event), number=500, repeat=7)) / 500 * 1e6, 2)
-        for name, crc in (("python", stock_crc), ("c", fast_crc))
-    }
     folder = Path(tempfile.mkdtemp(prefix="wl-parts-"))
     theirs, ours = _master(folder / "ds"), _master(folder / "ours")
     files: dict = {}  # CSV files kept open between batches, as MetricsSink keeps them
-    sides = (  # key, writer, TensorBoard's record checksum
-        ("ds_write_events_ms", theirs.write_events, stock_crc),
-        ("write_batch_python_crc_ms", lambda b: monitor.write_batch(ours, b, files), stock_crc),
-        ("write_batch_reopen_ms", lambda b: monitor.write_batch(ours, b), fast_crc),
-        ("write_batch_ms", lambda b: monitor.write_batch(ours, b, files), fast_crc),
+    sides = (
+        ("ds_write_events_ms", theirs.write_events),
+        ("write_batch_reopen_ms", lambda b: monitor.write_batch(ours, b)),
+        ("write_batch_ms", lambda b: monitor.write_batch(ours, b, files)),
     )
-    out: dict = {
-        "tags_per_step": None,
-        "event_bytes": len(event),
-        "crc_us_best": crc_us,
-        **{k: [] for k, _, _ in sides},
-    }
+    out: dict = {"tags_per_step": None, **{k: [] for k, _ in sides}}
     for rep in range(reps):
         batches = _events(steps, rep * steps)
         out["tags_per_step"] = sum(len(b) for b in batches) / steps
-        for key, write, crc in sides:
-            record_writer.masked_crc32c = crc
+        for key, write in sides:
             t0 = time.process_time()  # every thread: TensorBoard's writer thread included
             for b in batches:
                 write(b)
             out[key].append((time.process_time() - t0) / steps * 1e3)
-    record_writer.masked_crc32c = fast_crc
     return out
 
 
@@ -182,9 +150,6 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     m, h = metrics(args.steps, args.reps), hooks(args.steps, args.reps)
     m["ratio_min"] = round(min(m["ds_write_events_ms"]) / min(m["write_batch_ms"]), 2)
-    m["ratio_min_python_crc"] = round(
-        min(m["write_batch_python_crc_ms"]) / min(m["write_batch_ms"]), 2
-    )
     m["ratio_min_reopen"] = round(min(m["write_batch_reopen_ms"]) / min(m["write_batch_ms"]), 2)
     for key in ("hooked_ms", "hooked_fp32_ms"):
         per_grad = [

@@ -40,6 +40,7 @@ from bench_resume import BIN, bench_args, config, disk_speeds, run, tree_bytes  
 from disk import read_speed, write_speed  # noqa: E402
 
 from wonderland_ds.checkpoint import zero_layout as zl  # noqa: E402
+from wonderland_ds.checkpoint import zero_partitions as zp  # noqa: E402
 
 HOSTFILES = {2: "hostfiles/localhost", 3: "hostfiles/localhost3"}
 
@@ -100,15 +101,15 @@ def _read_share(tag_dir: Path, layout: zl.SourceLayout, world: int, rank: int, q
     """One new rank's reads, as ``reshard.load`` does them, into fresh partitions."""
     import torch
 
-    from wonderland_ds.checkpoint import reshard
+    from wonderland_ds.checkpoint import shard_reads
 
-    report = reshard.Report()
+    report = shard_reads.Report()
     t0 = time.perf_counter()
     files = [tag_dir / layout.optim_file(r) for r in range(layout.world_size)]
-    sources = reshard.Sources(files, report)
+    sources = shard_reads.Sources(files, report)
     for g, group in enumerate(layout.groups):
-        copies = zl.transfers(layout.family(), group, group, layout.world_size, world, rank)
-        n = zl.partition_numel(layout.family(), group, world)
+        copies = zp.transfers(layout.family(), group, group, layout.world_size, world, rank)
+        n = zp.partition_numel(layout.family(), group, world)
         sources.fill(
             torch.zeros(n), copies, lambda sd, g=g: zl.flat_fp32(sd["optimizer_state_dict"])[g]
         )
@@ -155,7 +156,7 @@ def main() -> None:
             zl.read_source(ckpt3)
             front.append(time.perf_counter() - t0)
         # Each new rank's share: fp32 weights and both moments (4 bytes each) of its partition.
-        share = 12 * sum(zl.partition_numel(layout.family(), g, 2) for g in layout.groups)
+        share = 12 * sum(zp.partition_numel(layout.family(), g, 2) for g in layout.groups)
         result: dict = {
             "dim": args.dim,
             "layers": args.layers,

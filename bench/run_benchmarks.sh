@@ -28,17 +28,10 @@ done
 #     guards off and raw-again (the noise floor) beside, ZeRO-2 with the check not overlapped too
 for z in 1 3; do launch 2 "steps_digits_20x_z$z" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland,guards-off,raw-again; done
 launch 2 steps_digits_20x_z2 --task digits --zero 2 --steps 100 --reps 20 --sides wonderland,guards-off,raw-again,check-blocking
-#     and what the GIL switch interval engine.fit trains with saves (30 repetitions)
-launch 2 steps_digits_30x_z1_gil --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,gil-5ms,raw-again
-#     and what the nicer loop thread (wonderland.loop_nice) saves, and gives a plain loop
-launch 2 steps_digits_30x_z1_nice --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,nice-0,raw-nice,raw-again
-#     and what gloo's short time slices (wonderland.gloo_slice_us) save, and both scheduling
-#     changes give a plain loop; ZeRO-1/2/3 and the language model
-launch 2 steps_digits_30x_z1_sched --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,slice-off,raw-sched,raw-again
-for z in 2 3; do launch 2 "steps_digits_20x_z${z}_sched" --task digits --zero "$z" --steps 100 --reps 20 --sides wonderland,slice-off,raw-sched,raw-again; done
 #     and what reading several steps in one gather saves
 launch 2 steps_digits_30x_z1_reads --task digits --zero 1 --steps 100 --reps 30 --sides wonderland,reads-1,raw-again
-for z in 1 2 3; do launch 2 "steps_pylm_8x_z${z}_sched" --task pylm --zero "$z" --micro 8 --gas 2 --steps 40 --reps 8 --sides wonderland,slice-off,raw-sched,raw-again; done
+#     and the language model, 8 repetitions
+for z in 1 2 3; do launch 2 "steps_pylm_8x_z${z}" --task pylm --zero "$z" --micro 8 --gas 2 --steps 40 --reps 8 --sides wonderland,raw-again; done
 # 2. checkpoint save: a ~25M-parameter GPT, ZeRO-2, 2 ranks; DeepSpeed sync against wonderland
 #    with async_save_copy (wl_*) and without (serialize_*), alternating
 launch 2 save_pylm_25m --task pylm --dim 512 --layers 8 --micro 2 --gas 1 --zero 2 --skip-steps --save 8

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from wonderland_ds.training import cpu
 from wonderland_ds.training import metrics as monitor
 from wonderland_ds.training.progress import ProgressDisplay, hms, rate
 from wonderland_ds.training.rows import StepRow
@@ -159,67 +158,6 @@ def _ds_master(folder: Path, monkeypatch):
 
     monkeypatch.setattr(deepspeed.comm, "get_rank", lambda *a, **k: 0)
     return MonitorMaster(get_monitor_config(monitor.monitor_sections({}, folder, tensorboard=True)))
-
-
-def test_tensorboard_records_checksummed_in_c_are_byte_identical(monkeypatch):
-    """cpu.fast_tensorboard_crc (wonderland.tensorboard_fast_crc) swaps TensorBoard's
-    pure-Python record checksum for google_crc32c's C one: the framed records (length, its CRC, payload, its CRC) must be the same bytes."""
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-    from tensorboard.summary.writer import record_writer
-
-    stock = pywrap_tensorflow.masked_crc32c
-    monkeypatch.setattr(record_writer, "masked_crc32c", stock)  # restored after the test
-    assert cpu.fast_tensorboard_crc()
-    fast = record_writer.masked_crc32c
-    assert fast is not stock and cpu.fast_tensorboard_crc()  # idempotent
-    event = Event(
-        summary=Summary(
-            value=[Summary.Value(tag=f"Guards/t{i}", simple_value=i / 3) for i in range(14)]
-        ),
-        step=123,
-        wall_time=1.5,
-    )
-    payloads = [event.SerializeToString(), b"", bytes(range(256)) * 20, b"\xff" * 7]
-
-    def framed(crc) -> bytes:
-        record_writer.masked_crc32c = crc
-        buf = io.BytesIO()
-        writer = record_writer.RecordWriter(buf)
-        for data in payloads:
-            writer.write(data)
-        return buf.getvalue()
-
-    assert framed(fast) == framed(stock)
-    record_writer.masked_crc32c = fast
-    assert fast(b"wonderland") != fast(b"wonderlanc")  # a checksum that can tell
-
-
-def test_no_c_checksum_leaves_tensorboard_as_it_is(monkeypatch):
-    import google_crc32c
-    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-    from tensorboard.summary.writer import record_writer
-
-    monkeypatch.setattr(record_writer, "masked_crc32c", pywrap_tensorflow.masked_crc32c)
-    monkeypatch.setattr(google_crc32c, "implementation", "python")
-    assert not cpu.fast_tensorboard_crc()
-    assert record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c
-
-
-def test_the_c_checksum_only_when_switched_on_and_put_back_after(monkeypatch):
-    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
-    from tensorboard.summary.writer import record_writer
-
-    from wonderland_ds.config.settings import WonderlandSettings
-
-    stock = pywrap_tensorflow.masked_crc32c
-    monkeypatch.setattr(record_writer, "masked_crc32c", stock)
-    with cpu.tuned(WonderlandSettings()):  # the default: TensorBoard's own
-        assert record_writer.masked_crc32c is stock
-    with cpu.tuned(WonderlandSettings(tensorboard_fast_crc=True)):
-        assert record_writer.masked_crc32c is not stock
-    assert record_writer.masked_crc32c is stock
 
 
 def test_batched_writes_equal_deepspeeds_own_write_events(tmp_path, monkeypatch):

@@ -1,12 +1,11 @@
-"""The interpreter, torch and its GPUs, nvcc against torch's CUDA, NCCL and the kernel's
-time slices: what DeepSpeed compiles and runs with on this machine.
+"""The interpreter, torch and its GPUs, nvcc against torch's CUDA and NCCL: what DeepSpeed
+compiles and runs with on this machine.
 
 GPU items read "n/a" on a machine without CUDA: never a failure.
 """
 
 from __future__ import annotations
 
-import platform
 import re
 import shutil
 import subprocess
@@ -179,23 +178,3 @@ def check_nccl() -> Finding:
         )
     text = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     return Finding("doctor-nccl", "ok", f"NCCL {text} (bundled with torch)")
-
-
-def check_time_slices() -> Finding:
-    """Whether ``wonderland.gloo_slice_us`` can act on this host (Linux 6.12+)."""
-    from wonderland_ds.training.cpu import slices_supported
-
-    why = slices_supported()
-    if why is None:
-        return Finding(
-            "doctor-time-slices",
-            "ok",
-            f"Linux {platform.release()}: per-thread time slices (wonderland.gloo_slice_us applies)",
-        )
-    return Finding(
-        "doctor-time-slices",
-        "info",
-        f"{why}: the opt-in wonderland.gloo_slice_us would do nothing here (a stage that sets"
-        " it says so once at its start)",
-        "leave gloo_slice_us at 0 (its default), or run on Linux 6.12 or later",
-    )
