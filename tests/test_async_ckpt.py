@@ -11,7 +11,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from wonderland_ds.checkpoint.async_save import Writer, snapshot
+from wonderland_ds.checkpoint.async_save import Writer
+from wonderland_ds.checkpoint.staging import snapshot
 
 
 def test_snapshot_keeps_sharing_types_and_is_immune_to_later_updates():
@@ -107,7 +108,7 @@ def test_pooled_snapshot_reuses_buffers_only_after_the_write(tmp_path):
 def test_trim_keeps_buffers_this_saves_finished_files_gave_back():
     """The writer may finish this save's first file while the snapshot of the next is still
     being taken: trim() must not drop that file's buffers (the next save reuses them)."""
-    from wonderland_ds.checkpoint.async_save import BufferPool
+    from wonderland_ds.checkpoint.staging import BufferPool
 
     pool = BufferPool()
     pool.start()
@@ -296,6 +297,7 @@ def test_serialized_held_tensors_hold_the_fence_until_written(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
     """Real DeepSpeed, 2 gloo ranks, ZeRO-1/2/3, bf16: wonderland's save at step 2 holds the
     live parameters and optimizer state while 3 more steps run (the writer made slow, so the
@@ -478,10 +480,10 @@ class _FakeAccel:
 def _as_device(monkeypatch, *tensors: torch.Tensor) -> set[int]:
     """Make the stager treat these host tensors' storages as device ones, and fail any clone
     of them (a clone of a device storage would take device memory)."""
-    from wonderland_ds.checkpoint import async_save
+    from wonderland_ds.checkpoint import staging
 
     dev = {t.untyped_storage().data_ptr() for t in tensors}
-    monkeypatch.setattr(async_save, "_on_device", lambda s: s.data_ptr() in dev)
+    monkeypatch.setattr(staging, "_on_device", lambda s: s.data_ptr() in dev)
     clone = torch.UntypedStorage.clone
 
     def no_device_clone(self):

@@ -58,7 +58,6 @@ def test_doctor_json_on_this_machine(report):
         "doctor-async-errors",
         "doctor-ds-env",
         "doctor-disk",
-        "doctor-time-slices",
     ):
         assert rule in rules, rule
     (ds,) = by_rule(report["checks"], "doctor-deepspeed")
@@ -210,23 +209,22 @@ def test_prebuild_unknown_op_is_refused(tmp_path, capsys):
     assert "unknown op(s) ['no_such_op']" in out and "deepspeed_shm_comm" in out
 
 
-def test_time_slices_are_reported_as_this_kernel_has_them(monkeypatch):
-    from wonderland_ds.training import cpu as comm_threads
+def test_bf16_emulation_is_named_with_the_fp32_config(monkeypatch):
+    from wonderland_ds.doctor import cpu
 
-    found = toolchain.check_time_slices()
-    assert found.rule == "doctor-time-slices"
-    expected = "ok" if comm_threads.slices_supported() is None else "info"
-    assert found.severity == expected, found
-
-    real_get = comm_threads._Sched.get
-
-    def old_kernel(self, tid):
-        attr = real_get(self, tid)
-        attr.sched_runtime = 0  # what Linux before 6.12 reports for a SCHED_OTHER thread
-        return attr
-
-    if not isinstance(comm_threads._sched(), str):  # else the platform is the reason already
-        monkeypatch.setattr(comm_threads._Sched, "get", old_kernel)
-    found = toolchain.check_time_slices()
-    assert found.severity == "info" and "gloo_slice_us would do nothing here" in found.message
-    assert "gloo_slice_us at 0" in found.fix
+    avx2 = "processor : 0\nflags : fpu sse avx avx2 fma\n"
+    sapphire = "processor : 0\nflags : avx2 avx512f avx512_bf16 amx_bf16\n"
+    graviton = "processor : 0\nFeatures : fp asimd bf16 i8mm\n"
+    assert cpu.bf16_emulated(cpu.cpu_flags(avx2)) is True
+    assert cpu.bf16_emulated(cpu.cpu_flags(sapphire)) is False
+    assert cpu.bf16_emulated(cpu.cpu_flags(graviton)) is False
+    assert cpu.bf16_emulated(set()) is None  # no cpuinfo: cannot tell, no warning
+    monkeypatch.setattr(cpu, "has_gpu", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda cpuinfo=None: {"avx2"})
+    (found,) = cpu.check_bf16("bf16", "c.json")
+    assert (
+        found.severity == "warn" and "cpu_zero2_fp32" in found.fix and found.path == "bf16.enabled"
+    )
+    assert cpu.check_bf16("fp32", "c.json") == []
+    monkeypatch.setattr(cpu, "has_gpu", lambda: True)  # the stage computes on the GPU
+    assert cpu.check_bf16("bf16", "c.json") == []

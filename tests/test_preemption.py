@@ -76,6 +76,12 @@ def test_sigterm_to_the_job_saves_at_the_next_step_and_resumes_exactly(uninterru
     config, run = _config(tmp_path), tmp_path / "run"
     proc = _start(config, run)
     seen = _until_step(proc, run, 100)
+    # No save yet (save_interval 1000), and metrics.csv grows as the stage runs.
+    deadline = time.time() + 10
+    while len(_rows(run / "stage15")) < 50 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(_rows(run / "stage15")) >= 50 and not ck.tags(run / "stage15" / "checkpoints")
+    seen = max(seen, int(_rows(run / "stage15")[-1]["step"]))
     os.killpg(proc.pid, signal.SIGTERM)  # every process: the front, the launcher, each rank
     signalled = time.time()
     out = proc.communicate(timeout=120)[0]
@@ -111,6 +117,7 @@ def test_sigterm_to_the_job_saves_at_the_next_step_and_resumes_exactly(uninterru
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_signal_to_the_front_alone_reaches_the_ranks(tmp_path):
     config, run = _config(tmp_path), tmp_path / "run"
     proc = _start(config, run)
@@ -124,6 +131,7 @@ def test_a_signal_to_the_front_alone_reaches_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_sigkill_during_the_stop_save_leaves_the_previous_checkpoint(tmp_path):
     config, run = _config(tmp_path, save_interval=50), tmp_path / "run"
     # From step 51 on, rank 0's saves wait 10 s before their metadata: the stop's save is slow.

@@ -109,7 +109,7 @@ def test_stop_agreement_in_one_process(tmp_path):
     agree = StopAgreement(signals, Preemption(), tmp_path, lambda: None, 400_000_000)
     agree.on_start()
     try:
-        assert agree.at_start() is None
+        assert agree.at_start(0) is None
         agree.pre_step(0)
         assert agree.agreed() is None
         write_request(tmp_path, StopRequest("signal", "SIGTERM", time.time(), "SIGTERM"))

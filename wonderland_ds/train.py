@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 if __package__ in (None, ""):
     # Run as a script, Python puts this folder first on sys.path: its subpackages (config,
@@ -17,8 +18,9 @@ if __package__ in (None, ""):
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
 
-from wonderland_ds.core import quiet
+from wonderland_ds.core import console, quiet
 from wonderland_ds.core.findings import (
+    EXIT_DISK,
     EXIT_GUARD,
     EXIT_REFUSED,
     EXIT_STOPPED,
@@ -34,7 +36,11 @@ from wonderland_ds.training import startup
 
 def stop_line(stage: int, exc: Stopped) -> str:
     """One line for a stop: what asked, where it stopped, what holds the work."""
-    head = f"stage {stage} stopped on {exc.request.describe()}"
+    why = "refused data" if exc.request.reason == "bad-data" else exc.request.describe()
+    head = f"stage {stage} stopped on {why}"
+    if exc.request.reason == "disk-full":
+        kept = f"; {exc.checkpoint} is the newest complete checkpoint" if exc.checkpoint else ""
+        return f"stage {stage} stopped: {why}{kept}; continue with --resume auto once there is room"
     if exc.saved and exc.checkpoint:
         return f"{head} at step {exc.step}: checkpoint {exc.checkpoint} complete; resumable"
     if exc.checkpoint:
@@ -55,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
+    rank_now = console.launch_rank()
+    if args.run_dir and rank_now is not None and argv is None:
+        # Before torch and DeepSpeed: their loggers write through the routed streams.
+        console.route(Path(args.run_dir) / f"stage{args.stage}", rank_now)
     from wonderland_ds.core import distributed as dist
     from wonderland_ds.launch import rank
 
@@ -66,13 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as exc:
         agreed = exc.agreed
         if dist.is_main():
+            if exc.request.finding is not None:
+                render([exc.request.finding], False, sys.stderr)
             print(f"[wonderland] {stop_line(args.stage, exc)}", file=sys.stderr, flush=True)
-        return EXIT_STOPPED
+        # Data the next step would have read is refused: the user's input, exit 2.
+        if exc.request.reason == "bad-data":
+            return EXIT_REFUSED
+        return EXIT_DISK if exc.request.reason == "disk-full" else EXIT_STOPPED
     except Refused as exc:
         agreed = True
         if dist.is_main():
             render(exc.findings, False, sys.stderr)
             print("refused: nothing was trained or written", file=sys.stderr, flush=True)
+        console.drop_log()
         return EXIT_REFUSED
     except GuardStop as exc:
         agreed = True

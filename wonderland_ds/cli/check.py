@@ -15,6 +15,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     findings: list[Finding] = []
     world = args.world_size
+    hf = None
     if args.hostfile:
         hf, found = hostfile.parse(args.hostfile)
         findings += found
@@ -26,6 +27,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         findings += found or [Finding("config", "ok", "valid", "", path)]
         if not has_errors(found):
             findings += _task_findings(path, args.task)
+            if hf is not None and hf.localhost_only:  # the stage would run on this CPU
+                findings += _cpu_findings(path)
     render(findings, args.json)
     if not args.json:
         n_err = sum(f.severity == "error" for f in findings)
@@ -33,6 +36,17 @@ def cmd_check(args: argparse.Namespace) -> int:
         verdict = "refused" if n_err else "ok"
         print(f"{verdict}: {len(args.configs)} config(s), {n_err} error(s), {n_warn} warning(s)")
     return EXIT_REFUSED if has_errors(findings) else EXIT_OK
+
+
+def _cpu_findings(path: str) -> list[Finding]:
+    """A bf16 config for this machine (a localhost hostfile) whose CPU would emulate bf16
+    (doctor/cpu.py)."""
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.doctor.cpu import check_bf16
+
+    raw, _ = ds_config.load_json(path)
+    bf16 = (raw or {}).get("bf16") or {}
+    return check_bf16("bf16" if isinstance(bf16, dict) and bf16.get("enabled") else "", path)
 
 
 def _task_findings(path: str, spec: str | None) -> list[Finding]:

@@ -58,6 +58,12 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         " inside an allocation without --hostfile, else pdsh. One-host hostfiles start locally",
     )
     p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every rank's output on the console, DeepSpeed's and the launcher's too (by"
+        " default the console shows rank 0's engine lines; everything is in RUN/stageN/logs/)",
+    )
+    p.add_argument(
         "--requeue",
         action="store_true",
         help="in a Slurm job: after a stop on the warning signal or the time limit, saved,"

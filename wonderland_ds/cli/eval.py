@@ -33,7 +33,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from wonderland_ds.checkpoint import contract as ck
     from wonderland_ds.checkpoint.describe import resolve_tag_dir
     from wonderland_ds.eval.evaluate import run_holding
-    from wonderland_ds.run.preflight import stage_ckpt_root
+    from wonderland_ds.run.resume_source import stage_ckpt_root
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
@@ -87,6 +87,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         argv.append("--allow-data-change")
     if args.preload_launcher:
         argv.append("--preload-launcher")
+    if args.verbose:
+        argv.append("--verbose")
     on = f" on task {task}" if task else ""
     print(
         f"wonderland eval: {tag_dir} with {config}{on}",

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from wonderland_ds.cli.common import Commands, add_launch_flags
-from wonderland_ds.cli.train import after_stop, build_train_parser, train_stage
+from wonderland_ds.cli.requeue import after_stop
+from wonderland_ds.cli.train import build_train_parser, train_stage
 from wonderland_ds.config import shipped
 from wonderland_ds.core.findings import EXIT_OK, EXIT_STOPPED, Refused
 from wonderland_ds.launch.flags import DEFAULT_CONFIG
@@ -79,6 +80,8 @@ def _stages(
             argv.append("--rerun")
         if args.requeue:
             argv.append("--requeue")
+        if args.verbose:
+            argv.append("--verbose")
         argv += ["--launcher", args.launcher]
         if args.preload_launcher:
             argv.append("--preload-launcher")

@@ -18,7 +18,7 @@ from wonderland_ds.cli.common import Commands
 from wonderland_ds.core.findings import EXIT_OK, Finding, Refused
 
 #: States whose stage may be continued from its newest complete checkpoint.
-UNFINISHED = ("interrupted", "preempted", "failed", "restarting")
+UNFINISHED = ("interrupted", "preempted", "failed", "restarting", "disk-full")
 
 
 def _live(stage_dir: Path, entry: dict) -> dict:
@@ -106,6 +106,9 @@ def _summary(entry: dict) -> str | None:
         age = entry.get("heartbeat_age_s")
         seen = f"last heartbeat {age:.0f} s ago" if age is not None else "no heartbeat"
         head = f"interrupted{at}: no process of it is alive ({seen}); {has}"
+    elif state == "disk-full":
+        head = f"{state}{at}: {entry.get('error') or 'the checkpoint disk is full'}"
+        nxt = nxt and nxt + "   (once there is room)"
     elif state in ("failed", "restarting"):
         code = f"exit code {entry['exit_code']}: " if entry.get("exit_code") is not None else ""
         error = str(entry.get("error") or "no error recorded")[:200]

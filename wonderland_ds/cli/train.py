@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from wonderland_ds.cli.attempts import continue_hint, move_attempt_aside, refuse_rerun
 from wonderland_ds.cli.common import Commands, add_launch_flags, add_rerun_flag
 from wonderland_ds.core.findings import (
+    EXIT_DISK,
     EXIT_GUARD,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_STOPPED,
-    Refused,
     Stopped,
     render,
 )
@@ -74,6 +74,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     with Supervisor() as sup:
         rc = train_stage(args, sup)
+        from wonderland_ds.cli.requeue import after_stop
+
         return after_stop(args, rc, sup, Path(args.run_dir) if args.run_dir else None)
 
 
@@ -122,7 +124,7 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
         rc, settings, port_taken = _launch_once(
             attempt_args, run_dir, world, command, started, sup, target.srun
         )
-        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD, EXIT_STOPPED) or sup.stop is not None:
+        if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD, EXIT_STOPPED, EXIT_DISK) or sup.stop:
             break
         if port_taken and args.master_port is None and port_retries < 2:
             # The automatically chosen port was taken between its choice and the rendezvous:
@@ -179,65 +181,6 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
     return rc
 
 
-def after_stop(args: argparse.Namespace, rc: int, sup: Supervisor, run_dir: Path | None) -> int:
-    """After a stop on Slurm's warning signal or the time limit, saved: requeue the job when
-    asked (``--requeue`` or ``wonderland.preemption.requeue``). Last thing the command does:
-    Slurm signals every process of the job at once."""
-    from wonderland_ds.core.slurm import Allocation
-
-    alloc = Allocation.from_env()
-    if rc != EXIT_STOPPED or alloc is None:
-        return rc
-    record = None
-    if run_dir is not None:
-        from wonderland_ds.run import manifest
-
-        record = manifest.stage_record(run_dir, args.stage)
-    stop = record.stop if record is not None else None
-    wanted = bool(sup.stop and sup.stop.requeue_wanted) or bool(
-        stop and (stop.reason == "time-limit" or stop.signal == "SIGUSR1")
-    )
-    end = sup.job_end
-    if not wanted and end is not None and time.time() >= end - 60:
-        wanted = True  # Slurm's own SIGTERM at the time limit (no warning signal was asked)
-    if not (getattr(args, "requeue", False) or _requeue_setting(args)):
-        if wanted:
-            print(
-                f"Slurm job {alloc.job_id}: stopped for its time limit; not requeued (pass"
-                " --requeue or set wonderland.preemption.requeue to continue by itself)",
-                file=sys.stderr,
-            )
-        return rc
-    if not wanted:
-        print(f"Slurm job {alloc.job_id}: stopped by a cancel, not requeued", file=sys.stderr)
-        return rc
-    print(
-        f"Slurm job {alloc.job_id}: requeued (restart {alloc.restart_count + 1}); the same command"
-        " continues the stage from its newest complete checkpoint",
-        file=sys.stderr,
-        flush=True,
-    )
-    if run_dir is not None and stop is not None:
-        from wonderland_ds.run import manifest
-
-        manifest.update_stage(
-            run_dir, args.stage, stop=stop.model_copy(update={"requeued": True}).model_dump()
-        )
-    why = alloc.requeue()
-    if why is not None:
-        print(f"requeue failed: {why}", file=sys.stderr)
-    return rc
-
-
-def _requeue_setting(args: argparse.Namespace) -> bool:
-    from wonderland_ds.launch.stage import load_config
-
-    try:
-        return load_config(args.config, args.stage, None)[2].preemption.requeue
-    except Refused:
-        return False
-
-
 def _launch_once(
     args: argparse.Namespace,
     run_dir: Path,
@@ -259,6 +202,12 @@ def _launch_once(
 
     sup.arm()
     cmd, env, notes = command(args)
+    if getattr(args, "verbose", False):
+        from wonderland_ds.core.console import VERBOSE_ENV
+
+        env[VERBOSE_ENV] = "1"
+        if "--log_level" in cmd:
+            del cmd[cmd.index("--log_level") : cmd.index("--log_level") + 2]
     receipt = run_dir / f".verified-stage{args.stage}.json"
     cmd += ["--verified", str(receipt.resolve())]
     stage_dir = run_dir / f"stage{args.stage}"
@@ -285,6 +234,9 @@ def _launch_once(
             print(f"note: {note}")
         print("launch: " + shlex.join(cmd), flush=True)
         clear_request(stage_dir)
+        from wonderland_ds.run import failures
+
+        failures.clear(stage_dir)
         manifest.update_stage(
             run_dir,
             args.stage,
@@ -317,16 +269,29 @@ def _launch_once(
     entry = manifest.stage_record(run_dir, args.stage)
     if entry.status == "preempted":
         return EXIT_STOPPED, settings, False  # the ranks stopped on a signal, saved
+    if entry.status == "disk-full":
+        print(f"stage {args.stage}: {entry.error}", file=sys.stderr)
+        return EXIT_DISK, settings, False
     if rc not in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD):
         beats = runstate.heartbeats(run_dir / f"stage{args.stage}")
         ranks_started = any(b.get("time", 0) >= started for b in beats)
         taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
         port_taken = bool(taken) and not ranks_started
-        if entry.status == "running" and not entry.error:
-            # Rank 0 records every failure it lives through (a timeout with the ranks that
-            # stopped answering): when it recorded none, rank 0 itself died or hung.
+        first = failures.launch_failure(stage_dir, started, beats)
+        if first is not None:
+            why = first.summary
+            manifest.update_stage(
+                run_dir,
+                args.stage,
+                status="failed",
+                finished=manifest.now(),
+                exit_code=rc,
+                error=why[:1000],
+                failed_rank=first.rank,
+            )
+        elif entry.status == "running" and not entry.error:
             why = (
-                "rank 0 recorded no failure: rank 0 itself died or hung"
+                "no rank recorded a failure"
                 if ranks_started
                 else f"no rank started{taken or ' (see the output above)'}"
             )
@@ -342,8 +307,8 @@ def _launch_once(
             why = f"rank 0 reported: {entry.error or 'no error text'}"
             manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
         print(
-            f"stage {args.stage} failed: the launcher exited with {rc}; {why}"
-            f" (each rank's output is above). Continue with: {continue_hint(args, run_dir)}",
+            f"stage {args.stage} failed: the launcher exited with {rc}; {why}."
+            f" Continue with: {continue_hint(args, run_dir)}",
             file=sys.stderr,
         )
     return rc, settings, port_taken

@@ -53,7 +53,7 @@ def load_json(path: str | Path) -> tuple[dict[str, Any] | None, list[Finding]]:
         return fail(f"cannot be read: {exc}", "check the file's permissions and encoding (UTF-8)")
     if not text.strip():
         return fail(
-            "is empty", "write a JSON object, e.g. a copy of ds_configs/cpu_zero2_bf16.json"
+            "is empty", "write a JSON object, e.g. a copy of ds_configs/cpu_zero2_fp32.json"
         )
     try:
         data = json.loads(

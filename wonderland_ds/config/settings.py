@@ -187,6 +187,13 @@ class WonderlandSettings(_Strict):
     """Per-stage override of ``train_steps``, keyed by stage number as a string: ``{"15": 600}``."""
     save_interval: int = Field(100, ge=1)
     """Save a checkpoint every this many optimizer steps (and always at the end of a stage)."""
+    disk_space_check: Literal["stop", "warn", "off"] = "stop"
+    """Before each save, the checkpoint folder's free space against the size of the stage's
+    last checkpoint (before the first: its state's size). ``stop``: a save that would not fit
+    stops the stage cleanly (exit 5, the newest complete checkpoint intact), and a warning
+    comes while only one more save fits; ``warn``: the warning only, then the save is tried;
+    ``off``: no check. A write that fails anyway (a full disk, a quota, an I/O error) always
+    stops the stage with exit 5 and removes the half-written checkpoint."""
     async_save: bool = True
     """Block training only for an in-memory snapshot per save; files, checksums, metadata and
     ``latest`` are written in the background (false: wait for all of it at every save)."""
@@ -196,23 +203,6 @@ class WonderlandSettings(_Strict):
     update waits for that copy only (costs one host copy of this rank's state, kept between
     saves). false: the writer serializes them straight from the live tensors, no extra
     memory, and the update waits until they are serialized."""
-    loop_nice: int = Field(0, ge=0, le=19)
-    """CPU-only tuning, off by default: the step loop's thread runs this much nicer (Linux nice
-    value) while a stage trains, so the threads that complete a gloo collective get its core
-    as soon as they wake. Only for CPU-bound toy steps of a few ms; on a GPU node the loop
-    thread is the one launching kernels. 0: unchanged."""
-    gloo_slice_us: int = Field(0, ge=0, le=100_000)
-    """CPU-only tuning, off by default: gloo's threads run with a Linux time slice of this many
-    microseconds while a stage trains (Linux 6.12+), so they preempt the computing step loop
-    as soon as they wake. 0: unchanged. Linux takes 100-100000."""
-    gil_switch_us: int = Field(0, ge=0, le=100_000)
-    """CPU-only tuning, off by default: Python's GIL switch interval, in microseconds, at most
-    this while a stage trains, so the loop waits less for background threads (metrics and
-    checkpoint writers) that hold the GIL in bursts. 0: Python's own (5000)."""
-    tensorboard_fast_crc: bool = False
-    """CPU-only tuning, off by default: TensorBoard's event writer computes its record
-    checksums with ``google_crc32c``'s C code instead of its pure-Python loop (same bytes;
-    applied only where the C code agrees with TensorBoard's on test vectors)."""
     keep_last: int = Field(3, ge=1)
     """Keep this many complete checkpoints per stage; the newest complete one is never deleted."""
     min_warmup_steps: int = Field(500, ge=0)
@@ -232,15 +222,6 @@ class WonderlandSettings(_Strict):
     """The health guards while a stage trains."""
     preemption: Preemption = Field(default_factory=Preemption)
     """Stops on a signal or the job's time limit, and the requeue after them."""
-
-    @field_validator("gloo_slice_us")
-    @classmethod
-    def _kernel_slice(cls, value: int) -> int:
-        if 0 < value < 100:
-            raise ValueError(
-                "Linux takes time slices of 100-100000 us; 0 leaves gloo's as they are"
-            )
-        return value
 
     @model_validator(mode="after")
     def _causal_lm_sections(self) -> WonderlandSettings:

@@ -41,5 +41,5 @@ def hostfile_path(text: str) -> str:
     return str(hostfiles().get(text, text))
 
 
-DEFAULT_CONFIG = folder("ds_configs") / "cpu_zero2_bf16.json"
+DEFAULT_CONFIG = folder("ds_configs") / "cpu_zero2_fp32.json"
 DEFAULT_HOSTFILE = folder("hostfiles") / "localhost"

@@ -213,6 +213,19 @@ def all_reduce_sum_start(tensor: Any) -> Any:
     return _Done()
 
 
+def all_reduce_max_start(tensor: Any) -> Any:
+    """:func:`all_reduce_sum_start` with the element-wise maximum."""
+    if active():
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+    return _Done()
+
+
+def all_reduce_max(tensor: Any) -> Any:
+    if active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def send(tensor: Any, dst: int) -> None:
     dist.send(tensor, dst)
 

@@ -2,20 +2,49 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
+#: Write errors that mean the storage is full or failing (EFBIG: a file-size limit).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
+def disk_error(exc: BaseException) -> bool:
+    """``exc`` says the disk is full (or over quota, or failing), not that the code is wrong."""
+    return isinstance(exc, OSError) and exc.errno in DISK_ERRNOS
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still write on ``path``'s filesystem (``path`` or
+    its nearest existing parent)."""
+    for p in [path, *path.parents]:
+        if p.exists():
+            st = os.statvfs(p)
+            return st.f_bavail * st.f_frsize
+    return 0
+
+
+def tree_bytes(path: Path) -> int:
+    """The size of the files under ``path``."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write-then-rename, with fsyncs, so readers see the old or the new file, never half."""
+    """Write-then-rename, with fsyncs, so readers see the old or the new file, never half. A
+    write that fails (a full disk) leaves no temporary file behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -21,6 +21,9 @@ EXIT_OK = 0
 EXIT_REFUSED = 2
 EXIT_GUARD = 3
 EXIT_STOPPED = 4
+#: 5: stopped because the checkpoint storage is full (or failing): the newest complete
+#: checkpoint is intact and a half-written one removed; continue once there is room.
+EXIT_DISK = 5
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,14 @@ class StopRequest:
     """Why a stage was asked to stop, and when (Unix time)."""
 
     reason: str
-    """``signal``, ``time-limit`` or ``front`` (the launching process got the signal)."""
+    """``signal``, ``time-limit``, ``front`` (the launching process got the signal) or
+    ``bad-data`` (the next step's data is refused: exit 2)."""
     signal: str | None
     """``SIGTERM``, ``SIGUSR1``; None for the time limit."""
     at: float
     detail: str = ""
+    finding: Any = None
+    """``bad-data``: the finding that names the file, offset and id."""
 
     @property
     def requeue_wanted(self) -> bool:

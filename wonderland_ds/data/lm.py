@@ -126,7 +126,9 @@ def _data(data: TokenFiles, patterns: list[str], where: str, pad_tail: bool) -> 
 
 
 def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
-    """Refuses token ids outside ``[0, vocab)`` among the sampled blocks."""
+    """Refuses token ids outside ``[0, vocab)`` among the sampled blocks; every other block
+    is checked as the stages read it (``data.vocab``)."""
+    data.vocab, data.where = vocab, where
     _, low, largest = scan(data, NAME)
     if largest >= vocab or low < 0:
         bad = largest if largest >= vocab else low

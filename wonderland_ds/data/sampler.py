@@ -191,6 +191,12 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._threading = threading
 
+    def step_indices(self, step: int) -> np.ndarray:
+        """This rank's sample indices of step ``step`` (counted from the loader's start), as
+        :meth:`_read` reads them: what the stop agreement checks a step ahead."""
+        batch = self._micro * self._gas * self._world
+        return self._sampler.indices(self._start + step * batch, batch)[self._sel]
+
     def _read(self, step: int, steps: int = 1) -> list[MicroBatch]:
         """This rank's micro-batches of ``steps`` steps from ``step`` on, in order."""
         import torch

@@ -36,6 +36,8 @@ IGNORE = -100
 FINGERPRINT_BLOCKS = 16
 """Blocks hashed per file for the fingerprint (the first and last among them)."""
 BLOCK_BYTES = 1 << 16
+CHANGED = (1 << 40) - 1
+"""The offset in a refused place (``file << 40 | offset``) that means: the file changed."""
 
 
 def expand(patterns: list[str], where: str) -> list[Path]:
@@ -69,6 +71,11 @@ def expand(patterns: list[str], where: str) -> list[Path]:
             ]
         )
     return files
+
+
+def _stat(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,16 @@ class TokenData:
             counts.append(n)
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._maps: list[np.ndarray | None] = [None] * len(files)
+        self.vocab: int | None = None
+        """Token ids must lie in ``[0, vocab)`` (set once the model's vocabulary is known):
+        :meth:`check` and :meth:`take` refuse any other, naming file, offset and id."""
+        self.checked_ahead = False
+        """The step loop checks every step's samples before it reads them (:meth:`check`, one
+        step ahead on every rank): :meth:`take` leaves the check to it, since the loader reads
+        several steps at once and only the step's own check stops every rank together."""
+        self._stats = [_stat(f.path) for f in files]
+        self.where = ""
+        """The config path of these files (``wonderland.data.train``), for findings."""
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -139,15 +156,97 @@ class TokenData:
             m = self._maps[i] = np.asarray(m)  # a plain view: no memmap subclass per read
         return m
 
-    def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(input_ids, labels) of samples ``idx``, int64, shape ``(len(idx), seq_len)``."""
+    def locate(self, sample: int, column: int = 0) -> tuple[int, int]:
+        """(file index, token offset in that file) of token ``column`` of sample ``sample``."""
+        f = int(np.searchsorted(self._starts, sample, side="right") - 1)
+        return f, int((sample - self._starts[f]) * self.seq_len + column)
+
+    def token_at(self, file: int, offset: int) -> int:
+        return int(self._map(file)[offset])
+
+    def describe(self, place: int) -> Finding:
+        """The finding of a refused place (``file << 40 | offset``), read here: every rank
+        names the same file, offset and id."""
+        f, offset = place >> 40, place & CHANGED
+        if offset == CHANGED:
+            return self.changed(f) or Finding(
+                "data-changed", "error", f"{self.files[f].path} changed on another rank's host"
+            )
+        return self.bad_token(f, offset)
+
+    def bad_token(self, file: int, offset: int) -> Finding:
+        """The finding for an out-of-vocabulary id at ``offset`` of file ``file``."""
+        path = self.files[file].path
+        return Finding(
+            "data-token-range",
+            "error",
+            f"token id {self.token_at(file, offset)} at token offset {offset} of {path} is"
+            f" outside the model's vocabulary [0, {self.vocab}): the stage stopped before the"
+            " model read it",
+            "fix the file (tokenize with the model's tokenizer; check data.dtype), then continue"
+            " with --resume auto (with --allow-data-change if the preflight sees the change)",
+            str(path),
+            self.where,
+        )
+
+    def check(self, idx: np.ndarray) -> tuple[Finding, int] | None:
+        """Samples ``idx`` before they are read for training: a file changed since it was
+        opened, or a token id outside the vocabulary. (finding, its place ``file << 40 |
+        offset``, offset :data:`CHANGED` for a changed file), or None when they are fine."""
         idx = np.asarray(idx, dtype=np.int64)
+        files = np.searchsorted(self._starts, idx, side="right") - 1
+        for f in np.unique(files):
+            changed = self.changed(int(f))
+            if changed is not None:
+                return changed, (int(f) << 40) | CHANGED
+        if self.vocab is None:
+            return None
+        x, _ = self._gather(idx, files)
+        if x.size and (int(x.min()) < 0 or int(x.max()) >= self.vocab):
+            row, col = np.argwhere((x < 0) | (x >= self.vocab))[0]
+            f, offset = self.locate(int(idx[row]), int(col))
+            return self.bad_token(f, offset), (f << 40) | offset
+        return None
+
+    def changed(self, f: int) -> Finding | None:
+        """File ``f`` was replaced, grew, shrank or was written since it was opened."""
+        path = self.files[f].path
+        try:
+            now = _stat(path)
+        except OSError as exc:
+            now = (-1, -1, -1)
+            why = f"is gone ({exc.strerror})"
+        else:
+            why = f"changed under the running stage (size {self._stats[f][0]} -> {now[0]} bytes)"
+        if now == self._stats[f]:
+            return None
+        return Finding(
+            "data-changed",
+            "error",
+            f"{path} {why}: a memory-mapped token file must not change while a stage reads it",
+            "restore the file (or write new data under another name), then continue with"
+            " --resume auto (with --allow-data-change for new data)",
+            str(path),
+            self.where,
+        )
+
+    def take(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids, labels) of samples ``idx``, int64, shape ``(len(idx), seq_len)``. An id
+        outside the vocabulary is refused (:meth:`check` looks before the step loop reads)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        x, y = self._gather(idx, np.searchsorted(self._starts, idx, side="right") - 1)
+        if self.vocab is not None and x.size and not self.checked_ahead:
+            if int(x.min()) < 0 or int(x.max()) >= self.vocab:
+                row, col = np.argwhere((x < 0) | (x >= self.vocab))[0]
+                raise Refused(self.bad_token(*self.locate(int(idx[row]), int(col))))
+        return x, y
+
+    def _gather(self, idx: np.ndarray, file_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, length = len(idx), self.seq_len
         x = np.zeros((n, length), dtype=np.int64)
         y = np.full((n, length), IGNORE, dtype=np.int64)
         if n == 0:
             return x, y
-        file_of = np.searchsorted(self._starts, idx, side="right") - 1
         for f in np.unique(file_of):
             sel = np.flatnonzero(file_of == f)
             data = self._map(int(f))

@@ -25,6 +25,7 @@ from typing import Any, TextIO
 from wonderland_ds.core.findings import EXIT_OK, EXIT_REFUSED, Finding, has_errors
 from wonderland_ds.doctor import report
 from wonderland_ds.doctor.checkpoint import check_checkpoint, check_disk
+from wonderland_ds.doctor.cpu import check_bf16
 from wonderland_ds.doctor.environment import check_env
 from wonderland_ds.doctor.hosts import check_hosts
 from wonderland_ds.doctor.ops import check_deepspeed
@@ -34,7 +35,6 @@ from wonderland_ds.doctor.toolchain import (
     check_nccl,
     check_nvcc,
     check_python,
-    check_time_slices,
     check_torch,
 )
 
@@ -67,11 +67,12 @@ def run_checks(
     out += check_torch()
     out.append(check_nvcc(env))
     out.append(check_nccl())
-    out.append(check_time_slices())
     ds_config = None
     if config:
         found, ds_config, pg_timeout_s = check_config(config)
         out += found
+        bf16 = (ds_config or {}).get("bf16") or {}
+        out += check_bf16("bf16" if isinstance(bf16, dict) and bf16.get("enabled") else "", config)
     out += check_deepspeed(env, ds_config)
     ckpt_bytes = 0
     if checkpoint:

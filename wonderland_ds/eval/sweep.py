@@ -17,7 +17,7 @@ from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Refused
 from wonderland_ds.data.tasks import Split, Task
 from wonderland_ds.run import manifest
-from wonderland_ds.run.preflight import stage_ckpt_root
+from wonderland_ds.run.resume_source import stage_ckpt_root
 
 BLOCK = 64
 """Rows per forward pass; a block is the unit dealt to ranks."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from wonderland_ds.checkpoint import zero_layout as zl
+from wonderland_ds.checkpoint import zero_partitions as zp
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Refused
 
@@ -93,18 +94,18 @@ def _zero3_model(
 ) -> Iterator[torch.nn.Module]:
     import deepspeed
 
-    from wonderland_ds.checkpoint import reshard
+    from wonderland_ds.checkpoint import reshard, shard_reads
 
     layout = zl.read_source(tag_dir, norms=False)
     cfg = {k: v for k, v in ds_dict.items() if k not in ("optimizer", "scheduler", "wonderland")}
     # Built as the training stage builds it; the engine partitions it at once.
     engine, *_ = deepspeed.initialize(model=build(), config=cfg)
     world, rank = dist.world_size(), dist.rank()
-    report = reshard.Report()
-    optim = reshard.Sources(
+    report = shard_reads.Report()
+    optim = shard_reads.Sources(
         [tag_dir / layout.optim_file(r) for r in range(layout.world_size)], report
     )
-    models = reshard.Sources(
+    models = shard_reads.Sources(
         [
             tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
             for r in range(layout.world_size)
@@ -116,10 +117,10 @@ def _zero3_model(
     for name, p in engine.module.named_parameters():
         part = p.ds_tensor.ds_numel
         host = torch.zeros(part, dtype=torch.float32)
-        span = zl.ParamSpan(name=name, numel=p.ds_numel)
+        span = zp.ParamSpan(name=name, numel=p.ds_numel)
         if name in where:
             g, group = where[name]
-            copies = zl.transfers("zero3", group, [span], layout.world_size, world, rank)
+            copies = zp.transfers("zero3", group, [span], layout.world_size, world, rank)
             optim.fill(host, copies, lambda sd, g=g: zl.flat_fp32(sd["optimizer_state_dict"])[g])
         elif name in frozen:
             reshard.fill_frozen(models, layout, span, host, world, rank)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from wonderland_ds.config.hostfile import Hostfile
 from wonderland_ds.core.carried import CARRIED_ENV, CARRIED_PREFIXES
+from wonderland_ds.core.devices import has_accelerator
 
 #: The per-rank entry, run as a module (``python -m``): found wherever the package is installed.
 ENTRY = "wonderland_ds.train"
@@ -91,7 +92,8 @@ def build(
 ) -> tuple[list[str], dict[str, str], list[str]]:
     """Returns (command, environment, notes for the user). ``exclude``: hosts of the
     hostfile to leave out (DeepSpeed's ``--exclude``)."""
-    cmd = [deepspeed_bin(), "--hostfile", hostfile.path]
+    # The launcher's own INFO lines (its command, each process spawned) are not the user's.
+    cmd = [deepspeed_bin(), "--log_level", "warning", "--hostfile", hostfile.path]
     if exclude:
         cmd += ["--exclude", "@".join(exclude)]
     notes = []
@@ -114,6 +116,10 @@ def build(
         cmd += ["--num_gpus", str(nproc)]
     cmd += ["--master_port", str(master_port or pick_port()), "--module", ENTRY, *stage_argv]
     env.update(CARRIED_ENV)
+    if "DS_ACCELERATOR" not in env and hostfile.localhost_only and not has_accelerator():
+        # A host with no accelerator: DeepSpeed's launcher and ranks would each warn while
+        # they find that out (the ranks' warnings go to their logs; the launcher's would not).
+        env["DS_ACCELERATOR"] = "cpu"
     env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(env))
     env["DS_ENV_FILE"] = str((run_dir / ".deepspeed_env").resolve())
     if "OMP_NUM_THREADS" not in env:
@@ -121,11 +127,12 @@ def build(
         local = nproc or max(hostfile.hosts.values())
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // local))
         notes.append(f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per rank (was unset)")
-    notes.append(
-        "NCCL_TIMEOUT is not an NCCL variable; set instead: process-group timeout"
-        " (wonderland.process_group_timeout_s) and TORCH_NCCL_ASYNC_ERROR_HANDLING=1,"
-        " carried to every node through .deepspeed_env"
-    )
+    if "NCCL_TIMEOUT" in env:
+        notes.append(
+            "NCCL_TIMEOUT is not an NCCL variable; set instead: process-group timeout"
+            " (wonderland.process_group_timeout_s) and TORCH_NCCL_ASYNC_ERROR_HANDLING=1,"
+            " carried to every node through .deepspeed_env"
+        )
     return cmd, env, notes
 
 

@@ -18,7 +18,14 @@ from typing import Any
 
 from wonderland_ds.config import stages
 from wonderland_ds.core.distributed import log
-from wonderland_ds.core.findings import Finding, Refused, Stopped, render
+from wonderland_ds.core.findings import (
+    EXIT_REFUSED,
+    Finding,
+    GuardStop,
+    Refused,
+    Stopped,
+    render,
+)
 from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data import tasks
@@ -31,7 +38,7 @@ from wonderland_ds.launch.stage import (
     plan_stage,
     resolve_run_dir,
 )
-from wonderland_ds.run import manifest
+from wonderland_ds.run import failures, manifest
 from wonderland_ds.run.liveness import Heartbeat
 from wonderland_ds.run.manifest import AllocationRecord, StopRecord
 from wonderland_ds.training import faults, startup
@@ -133,16 +140,23 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
         if hung:
             print(f"[wonderland] {hung}", file=sys.stderr, flush=True)
+        if not isinstance(exc, (Stopped, Refused, GuardStop)):
+            failures.record(stage_dir, dist.rank(), exc, hung)
         if dist.is_main() and isinstance(exc, Stopped):
             stop = _stop_record(exc)
+            refused = exc.request.finding  # bad data: a failure the user fixes, then resumes
+            status = "failed" if refused is not None else "preempted"
+            if exc.request.reason == "disk-full":
+                status = "disk-full"
             manifest.update_stage(
                 run_dir,
                 args.stage,
-                status="preempted",
+                status=status,
                 finished=manifest.now(),
                 stop=stop.model_dump(),
-                error=None,
-                **_allocation_ended(run_dir, args.stage, alloc, exc.step, "preempted", stop.detail),
+                error=refused.line() if refused is not None else _disk(exc),
+                exit_code=EXIT_REFUSED if refused is not None else None,
+                **_allocation_ended(run_dir, args.stage, alloc, exc.step, status, stop.detail),
             )
         elif dist.is_main():
             stopped = type(exc).__name__ == "GuardStop"
@@ -175,6 +189,10 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         )
         log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
+
+
+def _disk(exc: Stopped) -> str | None:
+    return exc.request.describe() if exc.request.reason == "disk-full" else None
 
 
 def _raise_stopped(stop: StopRequest) -> None:

@@ -9,6 +9,7 @@ to ``post_step``) run on every step or micro-batch: they stay cheap and allocate
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ import torch
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.files import disk_error
 from wonderland_ds.core.findings import Stopped
+from wonderland_ds.core.signals import StopRequest
 from wonderland_ds.run import manifest
 from wonderland_ds.training import faults
 from wonderland_ds.training.guards import StepGuards
@@ -82,6 +85,20 @@ class Callback:
         """After ``on_close``, when training ended without an error."""
 
 
+def disk_full(run: StageRun, path: Path, exc: OSError) -> None:
+    """A write on this rank failed for want of space: every rank stops at the next step
+    (the stop agreement), without a save that could not fit."""
+    if run.signals is not None:
+        run.signals.request(
+            StopRequest(
+                "disk-full",
+                None,
+                time.time(),
+                f"the disk is full at {path.parent}: writing {path.name} failed ({exc.strerror})",
+            )
+        )
+
+
 class FaultInjection(Callback):
     """The fault plan's points inside the step: a corrupted loss, perturbed parameters, and
     the ``step`` fault point (a crash or hang) once a step is recorded."""
@@ -116,12 +133,16 @@ class Heartbeat(Callback):
 
 class MetricsRows(Callback):
     """Rank 0's metrics.csv: rows past the start step dropped at the start and after a
-    rollback; the judged steps' rows appended before each save, rollback and stop."""
+    rollback; the judged steps' rows appended as the stage runs (at most every
+    :data:`FLUSH_S`), and before each save, rollback and stop."""
+
+    FLUSH_S = 2.0
 
     def __init__(self, run: StageRun, first: int, end: int) -> None:
         self.run, self.first, self.end = run, first, end
         self.main = dist.is_main()
         self.rows: list[StepRow] = []
+        self.flushed = time.monotonic()
 
     def on_start(self) -> None:
         if self.main:
@@ -129,12 +150,23 @@ class MetricsRows(Callback):
             manifest.update_stage(self.run.run_dir, self.run.stage, end_step=self.end)
 
     def on_judged(self, row: StepRow, step: TrainedStep, summed: list[float]) -> None:
+        if not self.main:
+            return
         self.rows.append(row)
+        if time.monotonic() - self.flushed >= self.FLUSH_S:
+            self.flush()
 
     def flush(self) -> None:
         rows, self.rows = self.rows, []
+        self.flushed = time.monotonic()
         if self.main:
-            write_metrics(self.run.stage_dir, rows, keep_upto=None)
+            try:
+                write_metrics(self.run.stage_dir, rows, keep_upto=None)
+            except OSError as exc:
+                if not disk_error(exc):
+                    raise
+                self.rows = rows + self.rows  # kept for when there is room
+                disk_full(self.run, self.run.stage_dir / "metrics.csv", exc)
 
     pre_save = pre_rollback = on_stop = flush
 
@@ -179,6 +211,7 @@ class ProgressReport(Callback):
         self.sink = MetricsSink(
             self.run.ds_dict,
             self.run.stage_dir,
+            on_disk_full=lambda path, exc: disk_full(self.run, path, exc),
             engine=self.engine,
             keep_upto=self.first,
             samples_per_step=self.batch,

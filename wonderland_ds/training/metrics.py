@@ -23,10 +23,11 @@ from __future__ import annotations
 import csv
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from wonderland_ds.core.files import disk_error
 from wonderland_ds.training.rows import StepRow
 
 #: Event tags (the CSV file of ``Train/Steps/loss`` is ``Train_Steps_loss.csv``).
@@ -198,6 +199,7 @@ class MetricsSink:
         tokens_per_sample: int | None = None,
         flush_every: int = 10,
         rank: int | None = None,
+        on_disk_full: Callable[[Path, OSError], None] | None = None,
     ) -> None:
         if rank is None:
             from wonderland_ds.core import distributed as dist
@@ -213,6 +215,7 @@ class MetricsSink:
         self.monitor: Any = None
         self.own_monitor = False
         self.error: BaseException | None = None
+        self.on_disk_full = on_disk_full  # a full disk stops the stage (the others are reported)
         self._queue: queue.Queue[list[tuple[str, float, int]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._prev: tuple[int, float, float] | None = None  # previous row: step, samples, wall
@@ -255,6 +258,9 @@ class MetricsSink:
                     write_batch(self.monitor, batch, self._files)
             except Exception as exc:  # noqa: BLE001 - reported by close(), never kills training
                 self.error = exc
+                if self.on_disk_full is not None and disk_error(exc):
+                    assert isinstance(exc, OSError)
+                    self.on_disk_full(self.csv_dir or self.tb_dir or Path("."), exc)
             finally:
                 self._queue.task_done()
 

@@ -17,7 +17,9 @@ from wonderland_ds.checkpoint import async_save as async_ckpt
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.checkpoint import markers, snapshot_engine
 from wonderland_ds.core import distributed as dist
-from wonderland_ds.core.findings import Finding, GuardStop
+from wonderland_ds.core.files import disk_error, free_bytes, tree_bytes
+from wonderland_ds.core.findings import Finding, GuardStop, Stopped
+from wonderland_ds.core.signals import StopRequest
 from wonderland_ds.data.sampler import LoaderState
 from wonderland_ds.run import manifest
 from wonderland_ds.training import faults
@@ -68,6 +70,7 @@ class Saver(Callback):
         t0 = time.perf_counter()
         if not settled:
             self.finish_pending()  # back-pressure: the previous save completes first
+        self.check_space()
         writer.pool.start()  # its buffers (all written now) are this save's to reuse
         step = int(engine.global_steps)
         tag = ck.tag_for(step)
@@ -120,6 +123,48 @@ class Saver(Callback):
         self.blocked.append(held)
         return tag_dir, held
 
+    def check_space(self) -> None:
+        """Every rank: would the next save fit in its checkpoint folder's filesystem? One
+        gather at each save; a save that does not fit stops every rank (``disk_space_check``)."""
+        policy = self.run.settings.disk_space_check
+        if policy == "off":
+            return
+        root = self.run.ckpt_root
+        newest = ck.newest_complete(root, deep=False)
+        need = tree_bytes(newest.tag_dir) if newest is not None else self.state_bytes()
+        free = free_bytes(root)
+        short = dist.gather_all((free, need) if free < 2 * need else None)
+        lacking = [(r, s) for r, s in enumerate(short) if s is not None]
+        if not lacking:
+            return
+        worst_free, worst_need = min((s for _, s in lacking), key=lambda fs: fs[0] - fs[1])
+        where = (
+            f"{root}: {worst_free / 1e6:.1f} MB free, a checkpoint takes {worst_need / 1e6:.1f} MB"
+        )
+        if policy == "stop" and worst_free < worst_need:
+            why = f"the disk is full at {where}; the save would not fit"
+            raise Stopped(
+                StopRequest("disk-full", None, time.time(), why),
+                step=int(self.engine.global_steps),
+                checkpoint=str(newest.tag_dir) if newest is not None else None,
+                agreed=True,
+            )
+        if dist.is_main():
+            print(
+                f"[wonderland] WARNING: the checkpoint disk is nearly full at {where}"
+                + (
+                    ": this save may not fit" if worst_free < worst_need else ": one more save fits"
+                ),
+                flush=True,
+            )
+
+    def state_bytes(self) -> int:
+        """About what a save writes before the stage has made one: fp32 weights and two
+        Adam moments of every parameter, plus the module's own weights."""
+        module = self.engine.module
+        numel = sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in module.parameters())
+        return numel * 16
+
     def fence(self) -> float:
         """The optimizer-update fence, with finish_pending's time limit. A rank whose writer is
         stuck stops with the checkpoint-write finding; the other ranks then fail at their next
@@ -147,19 +192,44 @@ class Saver(Callback):
         half-written checkpoint is removed and the previous complete one stays the newest."""
         assert self.writer is not None
         root = self.run.ckpt_root
-        error = None
+        error: tuple[str, bool] | None = None
         try:
             self.writer.wait(timeout=self.timeout * 2)
         except (OSError, TimeoutError, RuntimeError) as exc:
-            error = f"rank {dist.rank()}: {type(exc).__name__}: {exc}"
-        errors = [e for e in dist.gather_all(error) if e]
-        if not errors:
+            # torch's zip writer hides the errno: the writer re-raises its failure as an
+            # OSError without one, caused by torch's error (checkpoint/async_save.py).
+            wrapped = isinstance(exc, OSError) and exc.errno is None and exc.__cause__ is not None
+            storage = disk_error(exc) or wrapped
+            error = (f"rank {dist.rank()}: {type(exc).__name__}: {exc}", storage)
+        got = [e for e in dist.gather_all(error) if e]
+        if not got:
             return
+        newest = ck.newest_complete(root, deep=False)
         if dist.is_main():
-            newest = ck.newest_complete(root, deep=False)
             for _step, path in ck.tags(root):
                 if ck.read_meta(path) is None and (newest is None or path != newest.tag_dir):
                     shutil.rmtree(path, ignore_errors=True)
+        errors = [text for text, _ in got]
+        if all(disk for _, disk in got):
+            kept = f"{newest.tag_dir.name} is intact" if newest is not None else "none is complete"
+            free = free_bytes(root)
+            full = newest is None or free < tree_bytes(newest.tag_dir)
+            what = (
+                f"the disk is full at {root} ({free / 1e6:.1f} MB free)"
+                if full
+                else f"the checkpoint storage at {root} refused a write (a file-size limit,"
+                " a quota or an I/O error)"
+            )
+            why = (
+                f"{what}: writing a checkpoint failed ({errors[0][:200]}); the half-written one"
+                f" was removed, the newest complete checkpoint {kept}"
+            )
+            raise Stopped(
+                StopRequest("disk-full", None, time.time(), why),
+                step=int(self.engine.global_steps),
+                checkpoint=str(newest.tag_dir) if newest is not None else None,
+                agreed=True,
+            )
         raise GuardStop(
             [
                 Finding(

@@ -116,7 +116,7 @@ def _restore(
 
 def _checked(engine: Any, plan: Plan, fault: faults.FaultPlan) -> list[Finding]:
     """The check of the loaded optimizer state against the source's norms."""
-    from wonderland_ds.checkpoint import reshard
+    from wonderland_ds.checkpoint import load_check
 
     faults.skew_loaded(fault, engine.optimizer.optimizer, int(engine.global_steps), dist.rank())
     if plan.layout is None:
@@ -128,7 +128,7 @@ def _checked(engine: Any, plan: Plan, fault: faults.FaultPlan) -> list[Finding]:
                 " the reader knows, so there are no reference norms",
             )
         ]
-    return reshard.check(engine, plan.layout)
+    return load_check.check(engine, plan.layout)
 
 
 def train(

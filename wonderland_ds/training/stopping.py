@@ -29,8 +29,14 @@ from wonderland_ds.training.callbacks import Callback
 
 #: The front process's stop request for the stage's ranks (``RUN/stageN/stop-request.json``).
 REQUEST_FILE = "stop-request.json"
-#: Slots of the flag vector: who asked, summed over ranks.
-_SLOTS = ("SIGTERM", "SIGUSR1", "time-limit", "front")
+#: Slots of the flag vector, reduced with MAX over ranks: who asked (1 or 0), and the place
+#: of a bad token the next step would read (1 + file << 40 | offset), or 0.
+_SLOTS = ("SIGTERM", "SIGUSR1", "time-limit", "front", "disk-full", "bad-data")
+_BAD = _SLOTS.index("bad-data")
+#: What the next step's data is checked with: (global step) -> (finding, place) or None.
+Lookahead = Callable[[int], "tuple[Any, int] | None"]
+#: A bad place turned back into its finding (every rank reads the id itself).
+Describe = Callable[[int], Any]
 EXIT_ALLOWANCE_S = 15.0
 """The exit after the stop's save: metrics, run.json, the process group's teardown."""
 ASSUMED_WRITE_BPS = 100e6
@@ -115,6 +121,10 @@ class StopAgreement(Callback):
         self.flags = torch.zeros(len(_SLOTS), dtype=torch.float64)
         self.work: Any = None
         self.watch: StopWatch | None = None
+        self.lookahead: Lookahead | None = None  # the trainer's check of a step's data
+        self.describe: Describe | None = None
+        self.end: int | None = None  # the stage's last step: nothing to look ahead past it
+        self.bad: tuple[Any, int] | None = None  # this rank's refused data, once found
         self.t_step: float | None = None
         self.recent: list[float] = []  # the last step times (rank 0: the time-limit margin)
 
@@ -133,7 +143,8 @@ class StopAgreement(Callback):
         self.t_step = now
         if self.main:
             self._check_time_limit()
-        self.work = dist.all_reduce_sum_start(self._local_flags())
+        self._look(step + 2)  # the step after the one starting now
+        self.work = dist.all_reduce_max_start(self._local_flags())
 
     def on_close(self) -> None:
         if self.watch is not None:
@@ -144,12 +155,17 @@ class StopAgreement(Callback):
 
     # ------------------------------------------------------------ agreement
 
-    def at_start(self) -> StopRequest | None:
-        """Before the first step: a request that came while the stage started (blocking,
-        once)."""
+    def at_start(self, first: int) -> StopRequest | None:
+        """Before the first step (global step ``first + 1``): a request that came while the
+        stage started, or refused data in that step (blocking, once)."""
+        self._look(first + 1)
         flags = self._local_flags()
-        dist.all_reduce_sum(flags)
+        dist.all_reduce_max(flags)
         return self._agreed(flags)
+
+    def _look(self, step: int) -> None:
+        if self.bad is None and self.lookahead is not None and (self.end or step) >= step:
+            self.bad = self.lookahead(step)
 
     def agreed(self) -> StopRequest | None:
         """After a step: the request every rank now knows of (the same on every rank), or
@@ -166,19 +182,31 @@ class StopAgreement(Callback):
         if first is not None:
             slot = first.signal if first.reason == "signal" else first.reason
             self.flags[_SLOTS.index(slot) if slot in _SLOTS else 0] = 1.0
+        if self.bad is not None:
+            self.flags[_BAD] = float(1 + self.bad[1])
         return self.flags
 
     def _agreed(self, flags: torch.Tensor) -> StopRequest | None:
-        counts = flags.tolist()
-        if not any(counts):
+        got = flags.tolist()
+        if not any(got):
             return None
+        if got[_BAD]:
+            # Every rank turns the same place into the same finding (it reads the id itself).
+            place = int(got[_BAD]) - 1
+            finding = self.bad[0] if self.bad is not None and self.bad[1] == place else None
+            if finding is None and self.describe is not None:
+                finding = self.describe(place)
+            detail = finding.message if finding is not None else "refused data"
+            return StopRequest("bad-data", None, time.time(), detail, finding)
         mine = self.signals.first
+        disk = got[_SLOTS.index("disk-full")]
+        if disk and (mine is None or mine.reason != "disk-full"):
+            return StopRequest("disk-full", None, time.time(), "the disk is full on another rank")
         if mine is not None:
             return mine
-        slot = _SLOTS[next(i for i, c in enumerate(counts) if c)]
-        ranks = int(sum(counts))
+        slot = _SLOTS[next(i for i, c in enumerate(got) if c)]
         if slot in ("SIGTERM", "SIGUSR1"):
-            return StopRequest("signal", slot, time.time(), f"{slot} on {ranks} other rank(s)")
+            return StopRequest("signal", slot, time.time(), f"{slot} on another rank")
         return StopRequest(slot, None, time.time(), f"{slot}, seen by rank 0")
 
     # ------------------------------------------------------------ time limit

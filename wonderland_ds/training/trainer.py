@@ -1,7 +1,6 @@
 """The per-rank step loop of a training stage, with its callbacks.
 
-:func:`fit` trains the stage's steps under the CPU tuning its settings switch on
-(:mod:`wonderland_ds.training.cpu`, all off by default). :class:`Trainer` holds the loop;
+:func:`fit` trains the stage's steps. :class:`Trainer` holds the loop;
 everything around a step plugs in as a :class:`~wonderland_ds.training.callbacks.Callback`:
 the guards and their checks (:mod:`.checks`), fault injection, the heartbeat, metrics.csv,
 the progress display and metrics sink (:mod:`.callbacks`), and checkpoint saving
@@ -23,7 +22,8 @@ from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data.sampler import GlobalSampler, Prefetcher
 from wonderland_ds.data.tasks import Split
-from wonderland_ds.training import cpu, startup
+from wonderland_ds.data.tokens import TokenData
+from wonderland_ds.training import startup
 from wonderland_ds.training.callbacks import (
     Callback,
     FaultInjection,
@@ -43,8 +43,7 @@ def fit(
 ) -> dict[str, Any]:
     """Train until the stage's step budget under the guards; save every ``save_interval``
     and at the end. ``log``: None leaves out the progress display and metrics sink."""
-    with cpu.tuned(run.settings):
-        return Trainer(run, engine, prog, log is not None, verify).train()
+    return Trainer(run, engine, prog, log is not None, verify).train()
 
 
 def _micro_seed(seed: int, position: int) -> int:
@@ -106,6 +105,11 @@ class Trainer:
             _state_bytes(engine.module, self.world),
             Allocation.from_env(),
         )
+        train = run.task.train
+        if isinstance(train, TokenData):  # token files: each step's data checked a step ahead
+            self.stopper.lookahead, self.stopper.describe = self._data_check, train.describe
+            train.checked_ahead = True
+        self.stopper.end = self.end
         self.callbacks: list[Callback] = [self.checks, self.saver, self.stopper]
         if run.heartbeat is not None:  # before the step's fault point: a killed rank's last
             self.callbacks.append(Heartbeat(run.heartbeat))  # heartbeat has its step
@@ -126,6 +130,7 @@ class Trainer:
         self._pre_update, self._on_update = self._hooks("pre_update"), self._hooks("on_update")
         self._post_step = self._hooks("post_step")
         self.loader: Prefetcher | None = None
+        self.loader_origin = self.first  # the global step the loader's first step follows
 
     def _hooks(self, event: str) -> list[Callable[..., Any]]:
         base = getattr(Callback, event)
@@ -146,16 +151,19 @@ class Trainer:
         startup.release()
         t_start = time.perf_counter()
         try:
-            stop = self.stopper.at_start()
+            stop = self.stopper.at_start(self.first)
             if stop is not None:
                 raise self._stopped(stop, saved=False)
             while int(self.engine.global_steps) < self.end:
                 done = self._step(int(self.engine.global_steps))
-                stop = self.stopper.agreed()  # a signal or the time limit, known to every rank
-                save_due = (
-                    stop is not None or done % self.run.settings.save_interval == 0
-                ) or done >= self.end
-                verdict = self.checks.after_step(done, save_due)
+                stop = self.stopper.agreed()  # a signal, the time limit, bad data: every rank
+                full = stop is not None and stop.reason == "disk-full"  # no save would fit
+                save_due = not full and (
+                    stop is not None
+                    or done % self.run.settings.save_interval == 0
+                    or done >= self.end
+                )
+                verdict = self.checks.after_step(done, save_due or stop is not None)
                 if verdict is None:
                     continue
                 if verdict.kind == "stop":
@@ -169,8 +177,8 @@ class Trainer:
                         self.prog, self.checks.last_loss, verdict.settled
                     )
                     self._fire("post_save", tag_dir, held)
-                if stop is not None and done < self.end:
-                    raise self._stopped(stop, saved=verdict.kind != "rollback")
+                if stop is not None and (done < self.end or full):
+                    raise self._stopped(stop, saved=save_due and verdict.kind != "rollback")
             self._fire("on_train_end")
         except BaseException as exc:
             self._fire("on_error", exc)
@@ -238,9 +246,19 @@ class Trainer:
         self._fire("post_rollback", back)
         self.loader = self._loader_from(back)
 
+    def _data_check(self, step: int) -> tuple[Any, int] | None:
+        """Global step ``step``'s samples on this rank, checked before the loop reads them."""
+        rel = step - self.loader_origin - 1
+        if self.loader is None or rel < 0 or step > self.end:
+            return None
+        train = self.run.task.train
+        assert isinstance(train, TokenData)
+        return train.check(self.loader.step_indices(rel))
+
     def _loader_from(self, step: int) -> Prefetcher:
         train = self.run.task.train
         assert train is not None
+        self.loader_origin = step
         xy = (train.x, train.y) if isinstance(train, Split) else (train, None)
         return Prefetcher(
             xy[0],
