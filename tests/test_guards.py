@@ -118,6 +118,7 @@ def test_every_fault_is_detected_with_its_latency(run16):
     assert check["probe_s"] > 0  # places the first in-training probe
 
 
+@pytest.mark.nightly
 def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
     r = wonderland(
         "train",
@@ -148,6 +149,7 @@ def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
     assert manifest["stages"]["16"]["status"] == "guard-stopped"
 
 
+@pytest.mark.nightly
 def test_overlapped_check_stops_one_step_later_and_writes_only_judged_steps(run16, tmp_path):
     """guards.overlap_check (the default): step 45's check (not a save's) runs its all-reduce
     while step 46 trains, and its verdict comes when step 46 ends. The fault at step 43 stops

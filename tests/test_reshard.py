@@ -17,6 +17,7 @@ import pytest
 
 from tests.helpers.util import REPO, digests, losses, snapshot, wonderland
 from wonderland_ds.checkpoint import zero_layout as zl
+from wonderland_ds.checkpoint import zero_partitions as zp
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +73,7 @@ def assert_equivalent(source_run: Path, same: Path, resharded: Path, out: str, w
     # new rank, plus ZeRO-3's frozen fragments (fp32): no rank reads another's share.
     frozen = sum(p.numel for p in layout.frozen)
     assert sum(how["bytes_read"]) == 12 * trained_numel(layout) + 4 * frozen
-    share = sum(zl.partition_numel(layout.family(), g, world) for g in layout.groups)
+    share = sum(zp.partition_numel(layout.family(), g, world) for g in layout.groups)
     assert max(how["bytes_read"]) <= 12 * share + 4 * frozen
     assert len(how["bytes_read"]) == world
     # Same samples per step and the same curve, within fp32 reduction order.
@@ -126,6 +127,7 @@ def test_zero2_saved_by_two_ranks_resumed_on_three(stage15_fp32, tmp_path):
     equivalence(tmp_path, 2, 2, 3, source=stage15_fp32)
 
 
+@pytest.mark.nightly
 def test_zero3_saved_by_three_ranks_resumed_on_two(tmp_path):
     equivalence(tmp_path, 3, 3, 2)
     # Stage 17 on a third world size: each rank's partition of every layer read from the saved
@@ -153,6 +155,7 @@ def test_equivalence_matrix(tmp_path, zero, old, new):
     equivalence(tmp_path, zero, old, new)
 
 
+@pytest.mark.nightly
 def test_a_misplaced_range_is_refused_naming_the_parameter(stage15_fp32, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(stage15_fp32, run)
@@ -168,6 +171,7 @@ def test_a_misplaced_range_is_refused_naming_the_parameter(stage15_fp32, tmp_pat
     assert snapshot(run / "stage15") == before  # the source is untouched
 
 
+@pytest.mark.nightly
 def test_the_universal_fallback_is_checked_too(stage15_fp32, tmp_path):
     """fp32 -> bf16 is not resharded: DeepSpeed's universal path, then the same check."""
     raw = json.loads(TINY32.read_text())

@@ -203,6 +203,7 @@ def test_a_completed_stage_is_not_rerun_without_rerun(stage15_fp32, tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_restart_after_a_killed_rank_finishes_the_stage(stage15_fp32, tmp_path):
     run = _copy(stage15_fp32, tmp_path / "run")
     stage16 = ["train", "--stage", "16", "--config", TINY32, "--run-dir", str(run)]
@@ -255,6 +256,7 @@ def _stage16_until(run: Path, step: int, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_sigkill_of_the_whole_group_reads_interrupted_at_once(stage15_fp32, tmp_path):
     run = _copy(stage15_fp32, tmp_path / "run")
     proc = _stage16_until(run, 45)
