@@ -121,10 +121,9 @@ def test_pylm_source_key_covers_every_file_the_data_is_read_from(monkeypatch):
 def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_path, monkeypatch):
     """The front's stale-cache check: equal source keys skip rebuilding the data; a changed key
     rebuilds and compares fingerprints (same data: fine; other data: refused)."""
-    import argparse
-
     from wonderland_ds.config.settings import WonderlandSettings
     from wonderland_ds.launch import stage
+    from wonderland_ds.launch.plan import StageOptions
 
     base = builtin.digits().materialize()
     state = {"key": "v1", "builds": 0, "flip": False}
@@ -145,7 +144,8 @@ def test_a_matching_source_key_proves_the_cache_fresh_without_rebuilding(tmp_pat
 
     monkeypatch.setitem(builtin.BUILTIN, "counting", factory)
     monkeypatch.setattr(stage, "_FRESH_CACHES", set())
-    args, settings = argparse.Namespace(task="counting"), WonderlandSettings()
+    args = StageOptions(stage=15, config="c.json", run_dir=str(tmp_path / "run"), task="counting")
+    settings = WonderlandSettings()
     cache_dir = tmp_path / "run" / "cache" / "counting"
     cache.write(factory().materialize(), cache_dir)
     assert json.loads((cache_dir / "index.json").read_text())["source_key"] == "v1"

@@ -46,7 +46,7 @@ def test_options_give_back_the_flags_they_came_from(tmp_path):
 def test_rank0_takes_the_fronts_plan_without_deciding_again(tmp_path, monkeypatch):
     run = tmp_path / "run"
     args = _args("--stage", "15", "--config", TINY32, "--run-dir", str(run), "--steps", "4")
-    decided, task = stage.plan_stage(args, 2, run)
+    decided, task = stage.plan_stage(StageOptions.from_args(args, run.resolve()), 2, run)
     path = run / ".verified-stage15.json"
     plan_mod.write(path, decided, stage.receipt())
     assert json.loads(path.read_text())["format"] == plan_mod.FORMAT
@@ -54,7 +54,9 @@ def test_rank0_takes_the_fronts_plan_without_deciding_again(tmp_path, monkeypatc
     _no_second_preflight(monkeypatch)
     monkeypatch.setattr(stage, "_FRESH_CACHES", set())  # as in a rank's own process
     rank_args = _args(*decided.options.argv(), "--verified", str(path))
-    got = stage.from_front(rank_args.verified, rank_args, 2, run)
+    got = stage.from_front(
+        rank_args.verified, StageOptions.from_args(rank_args, run.resolve()), 2, run
+    )
     assert got is not None
     plan, rank_task = got
     assert plan.model_dump(exclude={"receipt"}) == decided.model_dump(exclude={"receipt"})
@@ -64,15 +66,24 @@ def test_rank0_takes_the_fronts_plan_without_deciding_again(tmp_path, monkeypatc
     assert plan.inputs(rank_task).ds_dict == decided.ds_dict
 
     # Another world, other options, or another format: rank 0 decides itself.
-    assert stage.from_front(str(path), rank_args, 3, run) is None
+    assert (
+        stage.from_front(str(path), StageOptions.from_args(rank_args, run.resolve()), 3, run)
+        is None
+    )
     other = _args(*decided.options.argv(), "--steps", "5")
-    assert stage.from_front(str(path), other, 2, run) is None
+    assert stage.from_front(str(path), StageOptions.from_args(other, run.resolve()), 2, run) is None
     body = json.loads(path.read_text()) | {"format": plan_mod.FORMAT + 1}
     path.write_text(json.dumps(body))
-    assert stage.from_front(str(path), rank_args, 2, run) is None
+    assert (
+        stage.from_front(str(path), StageOptions.from_args(rank_args, run.resolve()), 2, run)
+        is None
+    )
     path.write_text("{not json")
-    assert stage.from_front(str(path), rank_args, 2, run) is None
-    assert stage.from_front(None, rank_args, 2, run) is None
+    assert (
+        stage.from_front(str(path), StageOptions.from_args(rank_args, run.resolve()), 2, run)
+        is None
+    )
+    assert stage.from_front(None, StageOptions.from_args(rank_args, run.resolve()), 2, run) is None
 
 
 @pytest.mark.slow
@@ -83,7 +94,7 @@ def test_a_checkpoint_changed_after_the_fronts_preflight_is_refused_on_rank0(
     shutil.copytree(stage15_fp32, run)
     argv = ["--stage", "16", "--config", TINY32, "--run-dir", str(run), "--resume", "auto"]
     args = _args(*argv, "--optimizer-state", "--scheduler-state", "--min-warmup-steps", "10")
-    decided, _ = stage.plan_stage(args, 2, run)
+    decided, _ = stage.plan_stage(StageOptions.from_args(args, run.resolve()), 2, run)
     source = decided.preflight.source
     assert source is not None and decided.preflight.source_info["global_step"] == 40
     path = run / ".verified-stage16.json"
@@ -91,7 +102,7 @@ def test_a_checkpoint_changed_after_the_fronts_preflight_is_refused_on_rank0(
 
     _no_second_preflight(monkeypatch)
     rank_args = _args(*decided.options.argv())
-    got = stage.from_front(str(path), rank_args, 2, run)
+    got = stage.from_front(str(path), StageOptions.from_args(rank_args, run.resolve()), 2, run)
     assert got is not None and got[0].preflight.source == source
     assert got[0].preflight.source_info == decided.preflight.source_info
 
@@ -101,13 +112,13 @@ def test_a_checkpoint_changed_after_the_fronts_preflight_is_refused_on_rank0(
     shard.write_bytes(bytes(data))  # damaged between the front's preflight and rank 0
     assert not ck.verify(source).complete
     with pytest.raises(Refused):
-        stage.from_front(str(path), rank_args, 2, run)
+        stage.from_front(str(path), StageOptions.from_args(rank_args, run.resolve()), 2, run)
 
 
 def test_the_plan_file_is_written_whole(tmp_path):
     run = tmp_path / "run"
     args = _args("--stage", "15", "--config", TINY32, "--run-dir", str(run))
-    decided, _ = stage.plan_stage(args, 1, run)
+    decided, _ = stage.plan_stage(StageOptions.from_args(args, run.resolve()), 1, run)
     path = Path(run / ".verified-stage15.json")
     plan_mod.write(path, decided, stage.receipt())
     assert plan_mod.read(str(path)) is not None

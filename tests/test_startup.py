@@ -129,11 +129,10 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
 ):
     """User code (a task's materialize) may make cyclic garbage in bulk: a rank that holds the
     collector through its start runs it with the collector on."""
-    import argparse
-
     from wonderland_ds.config.settings import WonderlandSettings
     from wonderland_ds.data import builtin
     from wonderland_ds.launch import stage
+    from wonderland_ds.launch.plan import StageOptions
 
     seen: list[bool] = []
 
@@ -147,7 +146,7 @@ def test_a_task_builds_its_data_with_the_collector_on_while_the_rank_holds_it(
 
     monkeypatch.setattr(builtin, "load", lambda spec, settings=None: Task())
     startup.hold()
-    args = argparse.Namespace(task="anything")
+    args = StageOptions(stage=15, config="c.json", run_dir=str(tmp_path), task="anything")
     got, _ = stage._task_data(args, WonderlandSettings(), tmp_path, check_stale=True)
     assert isinstance(got, Task) and seen == [True]
     assert not gc.isenabled()  # and held again for the rest of the start

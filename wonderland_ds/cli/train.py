@@ -102,7 +102,7 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
     from wonderland_ds.run import manifest
 
     target = decide(args.hostfile, args.launcher, args.nproc)
-    run_dir = resolve_run_dir(args)
+    run_dir = resolve_run_dir(args.run_dir, args.resume)
     refuse_rerun(args, run_dir)
     exclude: list[str] = []
 
@@ -114,7 +114,9 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
     if args.dry_run:
         cmd, _, notes = command(args)
         world = target.world(args.nproc, exclude)
-        return _dry_run(args, run_dir, world, cmd, plan_stage(args, world, run_dir)[0], notes)
+        opts = StageOptions.from_args(args, run_dir.resolve())
+        decided = plan_stage(opts, world, run_dir, dry_run=True)[0]
+        return _dry_run(args, run_dir, world, cmd, decided, notes)
     restarts: list[dict] = []
     attempt_args = args
     started = time.time()
@@ -215,14 +217,14 @@ def _launch_once(
     # runs; it launches nothing until released, and is killed if the preflight refuses.
     early = launch.Launch(cmd, env, preload=getattr(args, "preload_launcher", False) and not srun)
     try:
-        if getattr(args, "rerun", False):
-            args.rerun_pending = True  # the preflight looks past the old attempt's folder
-        decided, _ = stage.plan_stage(args, world, run_dir)
+        rerun = bool(getattr(args, "rerun", False))  # the preflight looks past the old attempt
+        opts = plan_mod.StageOptions.from_args(args, run_dir.resolve())
+        decided, _ = stage.plan_stage(opts, world, run_dir, rerun_pending=rerun)
         settings = decided.settings
         render(decided.preflight.findings, False)
-        if getattr(args, "rerun", False):
+        if rerun:
             move_attempt_aside(run_dir, args.stage)
-            args.rerun, args.rerun_pending = False, False
+            args.rerun = False
         run_dir.mkdir(parents=True, exist_ok=True)
         if not srun:
             notes += launch.write_env_file(run_dir, env)[1]

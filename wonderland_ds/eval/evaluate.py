@@ -7,10 +7,9 @@ the same predictions. Metrics come from scikit-learn; figures from ``plots.py``.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +33,9 @@ from wonderland_ds.eval.weights import eval_model, load_into
 from wonderland_ds.run import manifest
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 
 def predict(task: Task, model: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]:
@@ -174,18 +176,16 @@ def _markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_eval(
-    args: argparse.Namespace, run_dir: Path, inputs: StageInputs, plan: Plan
-) -> dict[str, Any]:
+def run_eval(opts: StageOptions, run_dir: Path, inputs: StageInputs, plan: Plan) -> dict[str, Any]:
     task = inputs.task
     if task.kind == "lm":
-        return run_eval_lm(args, run_dir, inputs, plan)
+        return run_eval_lm(opts, run_dir, inputs, plan)
     settings = inputs.settings
     assert plan.source is not None
     # Baseline and training curves come from the run the checkpoint was trained in, which is
     # not run_dir when `wonderland eval --out DIR` keeps its records in DIR.
     home = run_holding(plan.source) or run_dir
-    base_dir = baseline(args, home)
+    base_dir = baseline(opts, home)
     new = metrics(task, gathered_predictions(task, plan.source, inputs.ds_dict))
     base = metrics(task, gathered_predictions(task, base_dir, inputs.ds_dict))
     verdict, failed_classes = gate(
@@ -206,7 +206,7 @@ def run_eval(
         },
         "plots": [],
     }
-    out = Path(args.out) if getattr(args, "out", None) else run_dir / "stage17"
+    out = Path(opts.out) if opts.out else run_dir / "stage17"
     if dist.is_main():
         from wonderland_ds.eval.plots import write_plots
 
@@ -229,7 +229,7 @@ def run_eval(
             # verdict before the barrier, so rank 0 is never killed with it unwritten.
             manifest.update_stage(
                 run_dir,
-                args.stage,
+                opts.stage,
                 status="gate-failed",
                 finished=manifest.now(),
                 report=str(out / "report.json"),

@@ -13,18 +13,20 @@ file's sha256) last: a crash leaves no half export.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.data.tasks import Task
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 
 def _hf_export(task: Task, state: dict[str, Any], folder: Path) -> None:
@@ -52,7 +54,7 @@ def _plain_export(task: Task, state: dict[str, Any], folder: Path) -> None:
 
 
 def run_export(
-    args: argparse.Namespace, run_dir: Path, inputs: StageInputs, plan: Plan
+    opts: StageOptions, run_dir: Path, inputs: StageInputs, plan: Plan
 ) -> dict[str, Any]:
     from wonderland_ds.eval.sweep import consolidated_state
 

@@ -3,10 +3,9 @@ source's loss rise since stage 15."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,6 +23,9 @@ from wonderland_ds.eval.sweep import (
 from wonderland_ds.eval.weights import eval_model, load_into, passes
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 LM_BLOCK_TOKENS = 4096
 """Language models: tokens per forward pass in stage 17 (a block is the unit dealt to ranks)."""
@@ -125,12 +127,12 @@ def lm_gate(new: dict[str, Any], base: dict[str, Any], rise: float) -> list[Find
 
 
 def run_eval_lm(
-    args: argparse.Namespace, run_dir: Path, inputs: StageInputs, plan: Plan
+    opts: StageOptions, run_dir: Path, inputs: StageInputs, plan: Plan
 ) -> dict[str, Any]:
     task, settings = inputs.task, inputs.settings
     assert plan.source is not None
     home = run_holding(plan.source) or run_dir
-    base_dir = baseline(args, home)
+    base_dir = baseline(opts, home)
     sources = lm_sources(task)
     result = {}
     build = task.build_empty_model or task.build_model
@@ -151,7 +153,7 @@ def run_eval_lm(
         },
         "plots": [],
     }
-    out = Path(args.out) if getattr(args, "out", None) else run_dir / "stage17"
+    out = Path(opts.out) if opts.out else run_dir / "stage17"
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         lines = [

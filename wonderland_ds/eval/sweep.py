@@ -3,10 +3,9 @@ which checkpoints are compared, and a checkpoint's consolidated fp32 weights (ex
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -18,6 +17,9 @@ from wonderland_ds.core.findings import Refused
 from wonderland_ds.data.tasks import Split, Task
 from wonderland_ds.run import manifest
 from wonderland_ds.run.resume_source import stage_ckpt_root
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 BLOCK = 64
 """Rows per forward pass; a block is the unit dealt to ranks."""
@@ -92,9 +94,9 @@ def run_holding(path: Path) -> Path | None:
     return None
 
 
-def baseline(args: argparse.Namespace, home: Path) -> Path:
-    if args.baseline:
-        v = ck.verify(resolve_tag_dir(Path(args.baseline)))
+def baseline(opts: StageOptions, home: Path) -> Path:
+    if opts.baseline:
+        v = ck.verify(resolve_tag_dir(Path(opts.baseline)))
     else:
         found = ck.newest_complete(stage_ckpt_root(home, 15))
         if found is None:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from wonderland_ds.config import shipped
 from wonderland_ds.config.shipped import DEFAULT_CONFIG, DEFAULT_HOSTFILE
 from wonderland_ds.training import faults
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_HOSTFILE", "add_stage_flags"]
 
@@ -124,7 +128,8 @@ def add_stage_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the preflight report as JSON")
 
 
-def overrides(args: argparse.Namespace) -> set[str]:
+def overrides(args: argparse.Namespace | StageOptions) -> set[str]:
+    """The ``--allow-*`` and ``--trust-checkpoint`` switches that are on."""
     return {
         name
         for name in ("allow-seed-change", "allow-data-change", "trust-checkpoint")

@@ -92,10 +92,6 @@ class StageOptions(BaseModel):
                 out += [f"--{key.replace('_', '-')}", str(value)]
         return out + [f"--{key.replace('_', '-')}" for key in _SWITCHES if getattr(self, key)]
 
-    def namespace(self, json: bool = False) -> argparse.Namespace:
-        """The options as the parsed flags the stage's code reads (``args.steps``...)."""
-        return argparse.Namespace(**self.model_dump(), json=json)
-
 
 class Receipt(BaseModel):
     """What the front verified (file hashes, fresh dataset caches, token-file scans), keyed by

@@ -30,7 +30,7 @@ from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data import tasks
 from wonderland_ds.launch.flags import overrides
-from wonderland_ds.launch.plan import StagePlan
+from wonderland_ds.launch.plan import StageOptions, StagePlan
 from wonderland_ds.launch.stage import (
     _task_data,
     from_front,
@@ -55,15 +55,20 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
     dist.init(settings.process_group_timeout_s)
     startup.freeze_imports()  # torch and DeepSpeed are in: out of the collector's sight
     world = dist.world_size()
-    run_dir: Path = dist.broadcast(resolve_run_dir(args) if dist.is_main() else Path())
+    run_dir: Path = dist.broadcast(
+        resolve_run_dir(args.run_dir, args.resume) if dist.is_main() else Path()
+    )
+    # The flags end here: the layers below read typed options.
+    opts = StageOptions.from_args(args, run_dir.resolve())
+    as_json = bool(args.json)
     decided: StagePlan | None = None
     task: tasks.Task | None = None
     refusal: list[Finding] | None = None
     if dist.is_main():
         try:
             # The front's plan for this launch, else (the plain deepspeed path) decided here.
-            got = from_front(getattr(args, "verified", None), args, world, run_dir)
-            decided, task = got or plan_stage(args, world, run_dir)
+            got = from_front(getattr(args, "verified", None), opts, world, run_dir)
+            decided, task = got or plan_stage(opts, world, run_dir)
         except Refused as exc:
             refusal = exc.findings
     refusal = dist.broadcast(refusal)
@@ -71,22 +76,22 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         raise Refused(refusal)
     decided = dist.broadcast(decided)
     assert decided is not None
-    args = decided.options.namespace(json=args.json)
+    opts = decided.options
     if task is None:  # the other ranks: only the data, the preflight is rank 0's
-        task = _task_data(args, decided.settings, run_dir, check_stale=False)[0]
+        task = _task_data(opts, decided.settings, run_dir, check_stale=False)[0]
     plan = decided.preflight
     ranks = dist.gather_all(dist.rank_info())
     dist.HOSTS[:] = [r["host"] for r in ranks]
     if dist.is_main():
-        render(plan.findings, args.json)
-    st = stages.get(args.stage)
+        render(plan.findings, as_json)
+    st = stages.get(opts.stage)
     signals = signals or StopSignals()
     if st.kind != "train":  # nothing to save: a stop is at once
         signals.on_first = _raise_stopped
         if signals.first is not None:
             _raise_stopped(signals.first)
-    stage_dir = run_dir / f"stage{args.stage}"
-    fault = faults.parse(args.fault)
+    stage_dir = run_dir / f"stage{opts.stage}"
+    fault = faults.parse(opts.fault)
     fault.remember(stage_dir / "faults")  # a one-shot fault acts once per stage, restarts too
     heartbeat = Heartbeat(stage_dir, dist.rank()).start()
     inputs = decided.inputs(task, heartbeat, signals)
@@ -99,41 +104,41 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         (stage_dir / "ranks.json").write_text(json.dumps(ranks, indent=2))
         manifest.update_stage(
             run_dir,
-            args.stage,
+            opts.stage,
             name=st.name,
             status="running",
             started=manifest.now(),
-            config=str(Path(args.config).resolve()),
+            config=str(Path(opts.config).resolve()),
             world_size=world,
             seed=decided.seed,
             resumed_from=str(plan.source) if plan.source else None,
             # Lineage: the checkpoint this stage's attempt started from, kept across the
             # resumes of its own checkpoints (status compares it with its source's newest).
             **({} if plan.continuing else _lineage(plan.source)),
-            overrides=sorted(overrides(args)),
+            overrides=sorted(overrides(opts)),
             finished=None,
             grad_acc=decided.ds_dict["gradient_accumulation_steps"],
             argv=decided.options.argv(),
             stop=None,
-            **_allocation_started(run_dir, args.stage, alloc, first_step),
+            **_allocation_started(run_dir, opts.stage, alloc, first_step),
         )
     try:
         if st.kind == "train":
             from wonderland_ds.training.stage import train
 
-            result = train(args, run_dir, inputs, plan, fault)
+            result = train(opts, run_dir, inputs, plan, fault)
         elif st.kind == "eval":
             from wonderland_ds.eval.evaluate import run_eval
 
             startup.release()  # an evaluation has no training loop to do it (train.py)
 
-            result = run_eval(args, run_dir, inputs, plan)
+            result = run_eval(opts, run_dir, inputs, plan)
         else:
             from wonderland_ds.eval.export import run_export
 
             startup.release()
 
-            result = run_export(args, run_dir, inputs, plan)
+            result = run_export(opts, run_dir, inputs, plan)
     except BaseException as exc:
         heartbeat.stop()
         # A collective timeout names no peer: find out which ranks stopped answering.
@@ -150,13 +155,13 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
                 status = "disk-full"
             manifest.update_stage(
                 run_dir,
-                args.stage,
+                opts.stage,
                 status=status,
                 finished=manifest.now(),
                 stop=stop.model_dump(),
                 error=refused.line() if refused is not None else _disk(exc),
                 exit_code=EXIT_REFUSED if refused is not None else None,
-                **_allocation_ended(run_dir, args.stage, alloc, exc.step, status, stop.detail),
+                **_allocation_ended(run_dir, opts.stage, alloc, exc.step, status, stop.detail),
             )
         elif dist.is_main():
             stopped = type(exc).__name__ == "GuardStop"
@@ -166,12 +171,12 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
             error = (hung or str(exc))[:500]
             manifest.update_stage(
                 run_dir,
-                args.stage,
+                opts.stage,
                 status=status,
                 finished=manifest.now(),
                 error=error,
                 failed_hosts=_named_hosts(hung),
-                **_allocation_ended(run_dir, args.stage, alloc, None, status, error),
+                **_allocation_ended(run_dir, opts.stage, alloc, None, status, error),
             )
         raise
     heartbeat.stop()
@@ -180,14 +185,14 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         reached = result.get("global_step") if st.kind == "train" else None
         manifest.update_stage(
             run_dir,
-            args.stage,
+            opts.stage,
             status="ok",
             finished=manifest.now(),
             output_checkpoint=output,
             **result,
-            **_allocation_ended(run_dir, args.stage, alloc, reached, "ok", None),
+            **_allocation_ended(run_dir, opts.stage, alloc, reached, "ok", None),
         )
-        log(f"stage {args.stage} ({st.name}) done: {json.dumps(result, default=str)}")
+        log(f"stage {opts.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
 
 

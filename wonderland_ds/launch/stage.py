@@ -8,7 +8,6 @@ front, so rank 0 decides it there (:func:`plan_stage`). This module never import
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -51,14 +50,15 @@ def default_run_dir(resume: str | None) -> Path:
     return Path("runs") / time.strftime("run-%Y%m%d-%H%M%S")
 
 
-def resolve_run_dir(args: argparse.Namespace) -> Path:
-    if args.run_dir:
-        return Path(args.run_dir)
-    if args.resume == "auto":
+def resolve_run_dir(run_dir: str | None, resume: str | None) -> Path:
+    """``--run-dir``, else the run a ``--resume`` path lies in, else a new one."""
+    if run_dir:
+        return Path(run_dir)
+    if resume == "auto":
         raise Refused(
             "--resume auto needs --run-dir (the run to continue)", "pass --run-dir RUN_DIR"
         )
-    return default_run_dir(args.resume)
+    return default_run_dir(resume)
 
 
 #: Caches whose contents were checked against the task in this launch (index.json stat keys).
@@ -90,13 +90,13 @@ def take_receipt(got: Receipt) -> None:
 
 
 def _task_data(
-    args: argparse.Namespace, settings: WonderlandSettings, run_dir: Path, check_stale: bool
+    opts: StageOptions, settings: WonderlandSettings, run_dir: Path, check_stale: bool
 ) -> tuple[tasks.Task, Path]:
     """The task with its data: from its cache when one exists (verified), else raw in memory
     (the caller writes the cache once the preflight passed)."""
     from wonderland_ds.data import cache
 
-    spec = getattr(args, "task", None) or settings.task
+    spec = opts.task or settings.task
     task = lm.load_task(spec, settings)
     if task.train is not None and not isinstance(task.train, tasks.Split):
         return _materialize(task), run_dir / "cache" / task.name  # token files, in place
@@ -139,15 +139,22 @@ def _materialize(task: tasks.Task) -> tasks.Task:
         return task.materialize()
 
 
-def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[StagePlan, tasks.Task]:
+def plan_stage(
+    opts: StageOptions,
+    world: int,
+    run_dir: Path,
+    rerun_pending: bool = False,
+    dry_run: bool = False,
+) -> tuple[StagePlan, tasks.Task]:
     """Everything decided before launching or training, and the task with its data; raises
-    Refused with all findings."""
-    raw, cfg, settings = load_config(args.config, args.stage, world)
-    if args.min_warmup_steps is not None:
-        settings = settings.model_copy(update={"min_warmup_steps": args.min_warmup_steps})
-    seed = settings.seed if args.seed is None else args.seed
+    Refused with all findings. ``rerun_pending``: the preflight looks past the attempt a
+    ``--rerun`` moves aside; ``dry_run``: writes nothing."""
+    raw, cfg, settings = load_config(opts.config, opts.stage, world)
+    if opts.min_warmup_steps is not None:
+        settings = settings.model_copy(update={"min_warmup_steps": opts.min_warmup_steps})
+    seed = settings.seed if opts.seed is None else opts.seed
     try:
-        ds_dict = deepspeed_dict(raw, args.grad_acc_steps, world)
+        ds_dict = deepspeed_dict(raw, opts.grad_acc_steps, world)
     except ValueError as exc:
         raise Refused(
             Finding(
@@ -155,28 +162,28 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[Sta
                 "error",
                 str(exc),
                 "fix the batch sizes or --grad-acc-steps",
-                args.config,
+                opts.config,
             )
         ) from None
-    task, cache_dir = _task_data(args, settings, run_dir, check_stale=True)
-    st = stages.get(args.stage)
+    task, cache_dir = _task_data(opts, settings, run_dir, check_stale=True)
+    st = stages.get(opts.stage)
     plan = preflight.check(
-        args.stage,
-        args.resume,
+        opts.stage,
+        opts.resume,
         run_dir,
         min_warmup=settings.min_warmup_steps,
         seed=seed,
         fingerprint=task.fingerprint,
         task=task.name,
-        config=str(args.config),
+        config=str(opts.config),
         world_size=world,
         zero_stage=cfg.zero_optimization.stage,
         precision=cfg.precision,
-        overrides=overrides(args),
-        own_folder=not getattr(args, "rerun_pending", False),
+        overrides=overrides(opts),
+        own_folder=not rerun_pending,
         reshard_blocker=zero_layout.target_blocker(ds_dict),
     )
-    required = st.preflight or args.optimizer_state or args.scheduler_state
+    required = st.preflight or opts.optimizer_state or opts.scheduler_state
     if not required:
         # Outside stage 16 a missing optimizer/scheduler is only refused when asked for.
         plan.findings = [
@@ -190,7 +197,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[Sta
     if (
         isinstance(task.train, tasks.Split)
         and not isinstance(task.train.x, np.memmap)
-        and not getattr(args, "dry_run", False)
+        and not dry_run
     ):
         # Preflight passed: now (and only now) write the cache; training reads nothing else.
         # A dry run writes nothing.
@@ -199,9 +206,8 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[Sta
         cache.write(task, cache_dir)
         task = cache.open_task(task, cache_dir)
         _FRESH_CACHES.add(stat_key(cache_dir / cache.INDEX))  # written from the task just now
-    options = StageOptions.from_args(args, run_dir.resolve())
     decided = StagePlan(
-        options=options,
+        options=opts,
         world_size=world,
         raw=raw,
         cfg=cfg,
@@ -214,7 +220,7 @@ def plan_stage(args: argparse.Namespace, world: int, run_dir: Path) -> tuple[Sta
 
 
 def from_front(
-    path: str | None, args: argparse.Namespace, world: int, run_dir: Path
+    path: str | None, opts: StageOptions, world: int, run_dir: Path
 ) -> tuple[StagePlan, tasks.Task] | None:
     """Rank 0: the plan the front process decided for this launch, when it wrote one for these
     options and this world (else None: decide here). Still checked on this rank: the checkpoint
@@ -223,12 +229,12 @@ def from_front(
     if got is None:
         return None
     take_receipt(got.receipt)
-    if got.options != StageOptions.from_args(args, run_dir.resolve()) or got.world_size != world:
+    if got.options != opts or got.world_size != world:
         return None
     source = got.preflight.source
     if source is not None:
         verdict = ck.verify(source)  # hashes from the receipt: unchanged files are not read
         if not verdict.complete:
             raise Refused(verdict.findings)
-    task, _ = _task_data(args, got.settings, run_dir, check_stale=True)
+    task, _ = _task_data(opts, got.settings, run_dir, check_stale=True)
     return got, task

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,6 +18,9 @@ from wonderland_ds.training import faults
 from wonderland_ds.training.build import build, restore_module_extras, sync_lr
 from wonderland_ds.training.state import Progress, StageRun, fresh_progress
 from wonderland_ds.training.trainer import fit
+
+if TYPE_CHECKING:
+    from wonderland_ds.launch.plan import StageOptions
 
 
 def _verify(run: StageRun) -> bool:
@@ -132,7 +134,7 @@ def _checked(engine: Any, plan: Plan, fault: faults.FaultPlan) -> list[Finding]:
 
 
 def train(
-    args: argparse.Namespace,
+    opts: StageOptions,
     run_dir: Path,
     inputs: StageInputs,
     plan: Plan,
@@ -140,14 +142,14 @@ def train(
 ) -> dict[str, Any]:
     settings = inputs.settings
     run = StageRun(
-        stage=args.stage,
+        stage=opts.stage,
         run_dir=run_dir,
         task=inputs.task,
         ds_dict=inputs.ds_dict,
         cfg=inputs.cfg,
         settings=settings,
         seed=inputs.seed,
-        steps=args.steps or settings.steps_for(args.stage),
+        steps=opts.steps or settings.steps_for(opts.stage),
         fault=fault,
         heartbeat=inputs.heartbeat,
         signals=inputs.signals,
@@ -155,7 +157,7 @@ def train(
     if plan.source is None:
         prog, norm = fresh_progress(run)
         what = "pre-normalization statistics over" if norm is not None else "no normalization,"
-        log(f"stage {args.stage}: fresh start; {what} {len(run.task.train or ())} training samples")
+        log(f"stage {opts.stage}: fresh start; {what} {len(run.task.train or ())} training samples")
         engine = build(run, norm)
         return fit(run, engine, prog, log, _verify(run))
 
@@ -204,20 +206,20 @@ def train(
         norm_std=list(stats.get("std") or []),
     )
     log(
-        f"stage {args.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
+        f"stage {opts.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
         f" sample {prog.samples_consumed}"
         + {"universal": " (universal)", "resharded": " (resharded)"}.get(how.load, "")
     )
-    if plan.continuing and args.steps is None:
+    if plan.continuing and opts.steps is None:
         # An interrupted stage ends where it was going to end (a `--steps N` given to the first
         # launch is not needed again): the end step the stage recorded in run.json.
         from wonderland_ds.run import manifest
 
         recorded = None
         if dist.is_main():
-            recorded = manifest.stage_record(run_dir, args.stage).end_step
+            recorded = manifest.stage_record(run_dir, opts.stage).end_step
         recorded = dist.broadcast(recorded)
         if isinstance(recorded, int) and recorded > prog.stage_start_step:
             run.steps = recorded - prog.stage_start_step
-            log(f"stage {args.stage}: continuing to step {recorded} (recorded in run.json)")
+            log(f"stage {opts.stage}: continuing to step {recorded} (recorded in run.json)")
     return fit(run, engine, prog, log, _verify(run)) | {"resume": how.model_dump()}
