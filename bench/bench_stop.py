@@ -11,7 +11,8 @@ without AVX512-BF16), ZeRO-2, 2 ranks:
         bench/bench_stop.py --steps 40 --reps 6 --out R.json
 
 Also reported: the time the loop itself spends in the agreement (starting the all-reduce and
-waiting for it), per step, measured inside the ``wonderland`` side.
+waiting for it), per step, measured inside the ``wonderland`` side, and the part of it that
+checks the next step's token ids against the vocabulary (the bad-data check).
 """
 
 from __future__ import annotations
@@ -77,13 +78,25 @@ class Timed:
     """The agreement's two calls, timed where the loop makes them."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
+        self.seconds, self.calls, self.look = 0.0, 0, 0.0
         self.pre, self.agreed = stopping.StopAgreement.pre_step, stopping.StopAgreement.agreed
 
     def __enter__(self) -> Timed:
         timed = self
 
         def pre_step(agreement, step):
+            look = agreement.lookahead
+            if look is not None and not getattr(look, "timed", False):
+
+                def timed_look(at, look=look):
+                    t = time.perf_counter()
+                    try:
+                        return look(at)
+                    finally:
+                        timed.look += time.perf_counter() - t
+
+                timed_look.timed = True  # type: ignore[attr-defined]
+                agreement.lookahead = timed_look
             t0 = time.perf_counter()
             timed.pre(agreement, step)
             timed.seconds += time.perf_counter() - t0
@@ -154,6 +167,7 @@ def main() -> None:
     config = ds_config(dist.world_size())
     sides: dict[str, list[float]] = {"wonderland": [], "no-agreement": [], "wonderland-again": []}
     inside: list[float] = []
+    looks: list[float] = []  # of which: the range check of the next step's tokens
     order = list(sides)
     for rep in range(args.reps):
         k = rep % len(order)
@@ -166,6 +180,7 @@ def main() -> None:
                 with Timed() as timed:
                     times = stage_loop(task, config, args.steps, run_dir)
                 inside.append(timed.seconds / max(timed.calls, 1))
+                looks.append(timed.look / max(timed.calls, 1))
             sides[side].append(statistics.fmean(times[args.warm :]))
             dist.barrier()
     base = sides["no-agreement"]
@@ -194,6 +209,7 @@ def main() -> None:
             "median": statistics.median(inside),
             "max": max(inside),
         },
+        "token_check_s_per_step": {"median": statistics.median(looks), "max": max(looks)},
     }
     if dist.is_main():
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
