@@ -104,17 +104,19 @@ _ROUTED: list[Path] = []
 
 
 def drop_log() -> None:
-    """A refused stage writes nothing: remove this rank's log file and the folders made for it
-    (each rank removes its own; the last one out removes the empty folders)."""
+    """A refused stage writes nothing: remove this rank's log file, then the log folder and the
+    stage folder when they are empty (whichever rank goes last empties them; a folder holding
+    anything stays), and the run folder if this rank made it and it is empty."""
     if not _ROUTED:
         return
     path, *made = _ROUTED
     path.unlink(missing_ok=True)
-    for folder in made:
+    logs = path.parent
+    for folder in (logs, logs.parent, *(p for p in made if p not in (logs, logs.parent))):
         try:
             folder.rmdir()
         except OSError:
-            break  # another rank's log is still there, or the folder held something else
+            break  # another rank's log is still there, or the folder holds something else
 
 
 def launch_rank(env: dict[str, str] | os._Environ[str] | None = None) -> int | None:
