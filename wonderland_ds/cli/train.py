@@ -280,34 +280,22 @@ def _launch_once(
         taken = "" if launch.port_free(int(port)) else f"; port {port} is taken by another process"
         port_taken = bool(taken) and not ranks_started
         first = failures.launch_failure(stage_dir, started, beats)
+        record: dict[str, Any] = {}  # what run.json gets beyond the failed status
         if first is not None:
             why = first.summary
-            manifest.update_stage(
-                run_dir,
-                args.stage,
-                status="failed",
-                finished=manifest.now(),
-                exit_code=rc,
-                error=why[:1000],
-                failed_rank=first.rank,
-            )
+            record = {"error": why[:1000], "failed_rank": first.rank}
         elif entry.status == "running" and not entry.error:
             why = (
                 "no rank recorded a failure"
                 if ranks_started
                 else f"no rank started{taken or ' (see the output above)'}"
             )
-            manifest.update_stage(
-                run_dir,
-                args.stage,
-                status="failed",
-                finished=manifest.now(),
-                exit_code=rc,
-                error=f"launcher exit code {rc}; {why}",
-            )
+            record = {"error": f"launcher exit code {rc}; {why}"}
         else:
             why = f"rank 0 reported: {entry.error or 'no error text'}"
-            manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc)
+        if record:
+            record["finished"] = manifest.now()
+        manifest.update_stage(run_dir, args.stage, status="failed", exit_code=rc, **record)
         print(
             f"stage {args.stage} failed: the launcher exited with {rc}; {why}."
             f" Continue with: {continue_hint(args, run_dir)}",
