@@ -230,7 +230,7 @@ def test_stage17_evaluates_on_the_gpu_in_the_training_dtype(stage15_fp32):
 
     tag = stage15_fp32 / "stage15" / "checkpoints" / "global_step40"
     task = builtin.load("digits").materialize()
-    with weights.eval_model(task.build_model, tag, {"bf16": {"enabled": True}}) as model:
+    with weights.eval_model(task, tag, {"bf16": {"enabled": True}}) as model:
         p = next(model.parameters())
         assert p.device.type == "cuda" and p.dtype == torch.bfloat16
         _, pred = evaluate.predict(task, model)

@@ -22,6 +22,7 @@ from wonderland_ds.config.ds_models import (
 from wonderland_ds.config.explain import did_you_mean, pydantic_findings
 from wonderland_ds.config.settings import WonderlandSettings
 from wonderland_ds.core.findings import Finding
+from wonderland_ds.model.hf import lever_findings
 
 
 def engine_rules(
@@ -33,6 +34,9 @@ def engine_rules(
 ) -> list[Finding]:
     """Every rule below on one config; ``world_size`` None leaves the triangle open."""
     out: list[Finding] = []
+    if settings.model is not None:
+        trains = "bfloat16" if cfg.bf16.enabled else "float16" if cfg.fp16.enabled else "float32"
+        out += lever_findings(settings.model, trains, file)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         out.append(
             Finding(

@@ -142,6 +142,22 @@ class HFModel(_Strict):
     init: Literal["config", "weights"] = "config"
     """``config``: random initialization from ``config.json`` (seeded by ``seed``);
     ``weights``: load the directory's weights."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype the model is built and loaded in. DeepSpeed keeps fp32 master weights
+    itself under ``bf16``/``fp16``, so float32 is right unless host memory at load is the
+    limit; a half dtype needs DeepSpeed's matching ``bf16``/``fp16`` section."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """The attention kernel ``transformers`` uses: ``sdpa`` (torch's fused attention),
+    ``eager`` (plain matmuls) or ``flash_attention_2`` (needs the ``flash-attn`` package and
+    a GPU)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant
+    checkpointing): activation memory falls to about one layer's, for about a third more
+    compute per step."""
+    router_aux_loss: bool = True
+    """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): train the router's
+    load-balancing loss with the model's own ``router_aux_loss_coef`` and log it as
+    ``aux_loss``. false: the language-model loss only."""
 
 
 class TokenFiles(_Strict):
@@ -165,6 +181,26 @@ class TokenFiles(_Strict):
             if not files:
                 raise ValueError(f"held-out source {name!r} lists no files")
         return value
+
+
+class Export(_Strict):
+    """Stage 18's export: sharded safetensors written one parameter at a time."""
+
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The dtype of the exported weights (read from the checkpoint's fp32 master weights)."""
+    max_shard_size: str = Field("5GB", pattern=r"^[0-9]+(\.[0-9]+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
+    """The largest safetensors file (``transformers``' ``max_shard_size``): ``"5GB"``,
+    ``"500MB"``; a parameter larger than it gets a shard of its own."""
+
+    @property
+    def max_shard_bytes(self) -> int:
+        import re
+
+        m = re.match(r"^([0-9.]+)\s*([A-Za-z]+)$", self.max_shard_size)
+        assert m is not None
+        unit = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+        unit |= {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+        return max(1, int(float(m.group(1)) * unit[m.group(2)]))
 
 
 class WonderlandSettings(_Strict):
@@ -222,6 +258,11 @@ class WonderlandSettings(_Strict):
     """The health guards while a stage trains."""
     preemption: Preemption = Field(default_factory=Preemption)
     """Stops on a signal or the job's time limit, and the requeue after them."""
+    export: Export = Field(default_factory=Export)
+    """Stage 18's export."""
+    device_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one accelerator in GB, for ``check``'s memory estimate (default: what the
+    hosts report, the host's memory per rank when they train on CPUs)."""
 
     @model_validator(mode="after")
     def _causal_lm_sections(self) -> WonderlandSettings:

@@ -1,8 +1,8 @@
 """The ``causal-lm`` task: a Hugging Face causal LM on flat token files, set in JSON.
 
 ``"wonderland": {"task": "causal-lm", "model": {"hf": DIR}, "data": {...}}``. The model is
-built with ``transformers``' ``AutoModelForCausalLM`` (the ``hf`` extra); the data are token
-files read in place (``tokens.py``). Everything a launch would trip on later is refused here,
+built by the model room (``wonderland_ds.model``); the data are token files read in place
+(``tokens.py``). Everything a launch would trip on later is refused here,
 in the front process, from ``config.json`` and a few sampled blocks of data, without
 importing torch or ``transformers``: a missing file, a size that is not a whole number of
 tokens, a token id outside the vocabulary, ``seq_len`` beyond the model's positions.
@@ -10,101 +10,16 @@ tokens, a token id outside the vocabulary, ``seq_len`` beyond the model's positi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from wonderland_ds.config.settings import HFModel, TokenFiles, WonderlandSettings
 from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data import builtin
 from wonderland_ds.data.tasks import Task
 from wonderland_ds.data.tokens import TokenData, expand, open_files, scan
-
-if TYPE_CHECKING:
-    from torch import nn
+from wonderland_ds.model.hf import positions, read_config
 
 NAME = "causal-lm"
-#: config.json keys that give a model's number of positions, by model family.
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length")
-#: Tokenizer files stage 18 copies from the model directory into the export.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
-def read_config(spec: HFModel) -> dict[str, Any]:
-    """The model directory's ``config.json``, checked for what the task needs."""
-    where = "wonderland.model.hf"
-    folder = Path(spec.hf).expanduser()
-    if not folder.is_dir():
-        raise Refused(
-            Finding(
-                "model-missing",
-                "error",
-                f"model directory {spec.hf!r} does not exist",
-                "point model.hf at a Hugging Face model directory (with config.json)",
-                spec.hf,
-                where,
-            )
-        )
-    path = folder / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise Refused(
-            Finding(
-                "model-config",
-                "error",
-                f"model directory {spec.hf!r} has no config.json",
-                "write it with `config.save_pretrained(DIR)` (transformers), or point model.hf"
-                " at the directory that has it",
-                str(path),
-                where,
-            )
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise Refused(
-            Finding("model-config", "error", f"{path} is not readable JSON: {exc}", "", str(path))
-        ) from None
-    if not isinstance(config, dict) or not isinstance(config.get("vocab_size"), int):
-        raise Refused(
-            Finding(
-                "model-config",
-                "error",
-                f"{path} has no integer vocab_size: not a causal-LM config",
-                "use a transformers causal-LM config (save_pretrained)",
-                str(path),
-                "vocab_size",
-            )
-        )
-    if spec.init == "weights" and not any((folder / w).is_file() for w in WEIGHT_FILES):
-        raise Refused(
-            Finding(
-                "model-weights",
-                "error",
-                f"model.init is 'weights' but {spec.hf!r} holds no safetensors weights"
-                f" ({' or '.join(WEIGHT_FILES)})",
-                'save them with `model.save_pretrained(DIR)`, or use "init": "config"',
-                spec.hf,
-                "wonderland.model.init",
-            )
-        )
-    return config
-
-
-def positions(config: dict[str, Any]) -> int | None:
-    for key in POSITION_KEYS:
-        if isinstance(config.get(key), int):
-            return int(config[key])
-    return None
 
 
 def _data(data: TokenFiles, patterns: list[str], where: str, pad_tail: bool) -> TokenData:
@@ -159,6 +74,8 @@ def load_task(spec: str, settings: WonderlandSettings) -> Task:
 
 def causal_lm(model: HFModel, data: TokenFiles) -> Task:
     """The task, with its data opened in place and checked; no torch import."""
+    from wonderland_ds.model.construct import build_hf
+
     config = read_config(model)
     limit = positions(config)
     if limit is not None and data.seq_len > limit:
@@ -184,8 +101,8 @@ def causal_lm(model: HFModel, data: TokenFiles) -> Task:
     return Task(
         name=NAME,
         num_classes=vocab,
-        build_model=lambda: build_model(model),
-        build_empty_model=lambda: build_model(model, empty=True),
+        build_model=lambda: build_hf(model),
+        build_empty_model=lambda: build_hf(model, empty=True),
         kind="lm",
         normalize=False,
         batch_format="hf",
@@ -196,30 +113,3 @@ def causal_lm(model: HFModel, data: TokenFiles) -> Task:
         hf_dir=str(Path(model.hf).expanduser().resolve()),
         meta={"model": model.hf, "init": model.init, "seq_len": data.seq_len},
     )
-
-
-def import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise Refused(
-            "task causal-lm needs the transformers package",
-            "pip install 'wonderland_ds[hf]' (transformers)",
-        ) from None
-    transformers.logging.set_verbosity_error()  # its load reports go to stage logs otherwise
-    return transformers
-
-
-def build_model(spec: HFModel, empty: bool = False) -> nn.Module:
-    """``AutoModelForCausalLM`` from the directory: its weights (``init: weights``) or a
-    seeded random initialization; ``empty``: random, to be overwritten by a checkpoint."""
-    import torch
-
-    tf = import_transformers()
-    if spec.init == "weights" and not empty:
-        model = tf.AutoModelForCausalLM.from_pretrained(spec.hf, dtype=torch.float32)
-    else:
-        config = tf.AutoConfig.from_pretrained(spec.hf)
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False  # training and scoring never decode: no KV cache
-    return model

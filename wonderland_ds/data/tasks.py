@@ -132,6 +132,14 @@ class Task:
             return self.loss_fn(out, y)
         return standard_loss(out, y, self.kind, self.batch_format == "hf")
 
+    def aux_loss(self, out: Any) -> torch.Tensor | None:
+        """A mixture-of-experts model's router load-balancing loss (``aux_loss`` in a
+        ``transformers`` output; already in its ``loss``), detached, or None."""
+        import torch
+
+        aux = out.get("aux_loss") if hasattr(out, "keys") else getattr(out, "aux_loss", None)
+        return aux.detach() if isinstance(aux, torch.Tensor) else None
+
     def targets(self, y: torch.Tensor) -> int:
         """How many targets :meth:`loss` averages over (stage 17 weighs batches by it)."""
         from wonderland_ds.data.tokens import IGNORE

@@ -54,7 +54,7 @@ def predict(task: Task, model: torch.nn.Module) -> tuple[np.ndarray, np.ndarray]
 def gathered_predictions(task: Task, tag_dir: Path, ds_dict: dict[str, Any]) -> np.ndarray:
     """Every held-out prediction of the checkpoint, each rank evaluating its blocks on its
     accelerator in the training dtype."""
-    with eval_model(task.build_model, tag_dir, ds_dict) as model:
+    with eval_model(task, tag_dir, ds_dict) as model:
         idx, pred = predict(task, model)
     return gather_once(len(heldout(task)), idx, pred, -1)
 

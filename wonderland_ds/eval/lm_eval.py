@@ -20,7 +20,7 @@ from wonderland_ds.eval.sweep import (
     heldout,
     run_holding,
 )
-from wonderland_ds.eval.weights import eval_model, load_into, passes
+from wonderland_ds.eval.weights import eval_model, passes
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
@@ -88,10 +88,6 @@ def data_tokens(data: Any) -> int:
     return int(data.tokens_per_sample)
 
 
-def lm_eval_model(task: Task, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    return load_into((task.build_empty_model or task.build_model)(), state)
-
-
 def lm_metrics(totals: dict[str, tuple[float, int]]) -> dict[str, Any]:
     """Loss, perplexity and tokens over all held-out text and per source."""
     import math
@@ -135,9 +131,8 @@ def run_eval_lm(
     base_dir = baseline(opts, home)
     sources = lm_sources(task)
     result = {}
-    build = task.build_empty_model or task.build_model
     for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
-        with eval_model(build, tag_dir, inputs.ds_dict) as model:
+        with eval_model(task, tag_dir, inputs.ds_dict) as model:
             totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
         result[name] = lm_metrics(totals)
     verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)

@@ -11,10 +11,10 @@ as many forward passes as the others (:func:`passes`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,10 @@ from wonderland_ds.checkpoint import zero_layout as zl
 from wonderland_ds.checkpoint import zero_partitions as zp
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Refused
+from wonderland_ds.model import construct
+
+if TYPE_CHECKING:
+    from wonderland_ds.data.tasks import Task
 
 
 def training_dtype(ds_dict: dict[str, Any]) -> torch.dtype:
@@ -70,9 +74,7 @@ def _zero3(tag_dir: Path) -> bool:
 
 
 @contextmanager
-def eval_model(
-    build: Callable[[], torch.nn.Module], tag_dir: Path, ds_dict: dict[str, Any]
-) -> Iterator[torch.nn.Module]:
+def eval_model(task: Task, tag_dir: Path, ds_dict: dict[str, Any]) -> Iterator[torch.nn.Module]:
     """The checkpoint's model in eval mode on this rank's accelerator, in the training dtype."""
     dtype, dev = training_dtype(ds_dict), device()
     if not _zero3(tag_dir):
@@ -82,15 +84,16 @@ def eval_model(
             mmap=True,
             weights_only=False,  # as DeepSpeed loads; the preflight scanned the pickle
         )
-        model = load_into(build(), states["module"]).to(device=dev, dtype=dtype)
+        model = construct.for_scoring(construct.build(task, ds_dict, empty=True))
+        model = load_into(model, states["module"]).to(device=dev, dtype=dtype)
         del states
         yield model
         return
-    yield from _zero3_model(build, tag_dir, ds_dict, dtype)
+    yield from _zero3_model(task, tag_dir, ds_dict, dtype)
 
 
 def _zero3_model(
-    build: Callable[[], torch.nn.Module], tag_dir: Path, ds_dict: dict[str, Any], dtype: Any
+    task: Task, tag_dir: Path, ds_dict: dict[str, Any], dtype: Any
 ) -> Iterator[torch.nn.Module]:
     import deepspeed
 
@@ -98,8 +101,9 @@ def _zero3_model(
 
     layout = zl.read_source(tag_dir, norms=False)
     cfg = {k: v for k, v in ds_dict.items() if k not in ("optimizer", "scheduler", "wonderland")}
-    # Built as the training stage builds it; the engine partitions it at once.
-    engine, *_ = deepspeed.initialize(model=build(), config=cfg)
+    # Built partitioned, as the training stage builds it.
+    model = construct.for_scoring(construct.build(task, cfg, empty=True))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
     world, rank = dist.world_size(), dist.rank()
     report = shard_reads.Report()
     optim = shard_reads.Sources(

@@ -13,6 +13,7 @@ import torch
 from wonderland_ds.checkpoint.describe import safe_load
 from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data.tasks import Normalize
+from wonderland_ds.model import construct
 from wonderland_ds.training.state import StageRun
 
 
@@ -21,7 +22,7 @@ def build(run: StageRun, norm: tuple[np.ndarray, np.ndarray] | None) -> Any:
     import deepspeed
 
     torch.manual_seed(run.seed)
-    model = run.task.build_model()
+    model = construct.build(run.task, run.ds_dict)  # partitioned at construction under ZeRO-3
     if norm is not None:
         normalize = getattr(model, "norm", None)
         if not isinstance(normalize, Normalize):

@@ -41,6 +41,9 @@ def check_matrix(
     mat = torch.tensor([p.vec for p in pending], dtype=torch.float64)
     losses = torch.stack([x for p in pending for x in p.losses]).double()
     mat[:, lay.LOSS] = losses.view(len(pending), -1).sum(1).cpu()
+    if pending[0].aux:  # a MoE model: every step has its micro-batches' router losses
+        aux = torch.stack([x.float() for p in pending for x in p.aux]).double()
+        mat[:, lay.extra(1)] = aux.view(len(pending), -1).sum(1).cpu()
     have = [(i, p.sq) for i, p in enumerate(pending) if p.sq is not None]
     if have:
         sq = torch.stack([t for _, t in have]).to("cpu", torch.float64)
@@ -99,8 +102,9 @@ class Checks(Callback):
         )
         self.rank, self.world = dist.rank(), dist.world_size()
         self.gas = int(engine.gradient_accumulation_steps())
-        self.layout = VectorLayout(self.world, extra=1)
+        self.layout = VectorLayout(self.world, extra=2)
         self.busy_slot = self.layout.extra(0)  # summed: 0 when every rank's writer is idle
+        self.aux_slot = self.layout.extra(1)  # summed: the MoE router losses
         self.fp16 = fp16.enabled
         g = run.settings.guards
         self.interval, self.overlap = g.check_interval, g.overlap_check
@@ -143,11 +147,12 @@ class Checks(Callback):
         samples: int,
         t0: float,
         wait_s: float,
+        aux: list[torch.Tensor],
     ) -> int:
         """The step just trained, kept for the next check; returns the global step."""
         engine = self.engine
         # One small all-reduce per check carries every number the guards and the log need.
-        vec, sq = self.guards.vector(self.module, extra=1)
+        vec, sq = self.guards.vector(self.module, extra=2)
         vec[self.layout.DIGEST] = digest
         vec[self.busy_slot] = float(busy)
         done = int(engine.global_steps)
@@ -165,6 +170,7 @@ class Checks(Callback):
                 time.perf_counter() - t0,
                 wait_s,
                 time.time(),
+                aux,
             )
         )
         return done
@@ -223,6 +229,7 @@ class Checks(Callback):
                 step_s,
                 p.wait_s,
                 p.wall,
+                v[self.aux_slot] / (self.gas * self.world) if p.aux else None,
             )
             for listen in self.listeners:
                 listen(row, p, v)

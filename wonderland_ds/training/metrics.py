@@ -41,6 +41,7 @@ ROW_TAGS = (
     ("grad_norm", GRAD_NORM),
     ("step_s", STEP_S),
     ("data_wait_s", DATA_WAIT_S),
+    ("aux_loss", "Train/Steps/aux_loss"),
 )
 
 

@@ -24,6 +24,7 @@ COLUMNS = (
     "step_s",
     "data_wait_s",
     "wall",
+    "aux_loss",
 )
 
 
@@ -55,6 +56,9 @@ class StepRow:
     step_s: float | None = None
     data_wait_s: float | None = None
     wall: float | None = None
+    aux_loss: float | None = None
+    """A mixture-of-experts model's router load-balancing loss (mean over ranks and
+    micro-batches, before its coefficient); None for other models."""
 
     @classmethod
     def measured(
@@ -68,6 +72,7 @@ class StepRow:
         step_s: float,
         data_wait_s: float,
         wall: float,
+        aux_loss: float | None = None,
     ) -> StepRow:
         """A row of the step loop's numbers, at metrics.csv's precision."""
         return cls(
@@ -80,6 +85,7 @@ class StepRow:
             _sig(step_s, ".5f"),
             _sig(data_wait_s, ".6f"),
             _sig(wall, ".6f"),
+            None if aux_loss is None else _sig(aux_loss, ".8g"),
         )
 
     @classmethod
@@ -97,6 +103,7 @@ class StepRow:
             _num(row.get("step_s")),
             _num(row.get("data_wait_s")),
             _num(row.get("wall")),
+            _num(row.get("aux_loss")),
         )
 
     def csv(self) -> dict[str, Any]:
@@ -111,6 +118,7 @@ class StepRow:
             "step_s": "" if self.step_s is None else f"{self.step_s:.5f}",
             "data_wait_s": "" if self.data_wait_s is None else f"{self.data_wait_s:.6f}",
             "wall": "" if self.wall is None else f"{self.wall:.6f}",
+            "aux_loss": "" if self.aux_loss is None else f"{self.aux_loss:.8g}",
         }
 
 

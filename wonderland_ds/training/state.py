@@ -74,6 +74,7 @@ class TrainedStep:
     step_s: float
     wait_s: float
     wall: float
+    aux: list[torch.Tensor] = field(default_factory=list)  # MoE router losses, likewise
 
 
 def loss_scale(engine: Any) -> float | None:

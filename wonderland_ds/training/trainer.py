@@ -197,6 +197,8 @@ class Trainer:
             hook(step)
         t0, wait0 = time.perf_counter(), loader.wait_s
         losses: list[torch.Tensor] = []
+        aux: list[torch.Tensor] = []
+        task = self.run.task
         digest = 0.0
         for m in range(self.gas):
             mbatch = loader.next()
@@ -204,7 +206,11 @@ class Trainer:
             x, y = mbatch.x, mbatch.y
             if not self.on_host:
                 x, y = x.to(engine.device), y.to(engine.device)
-            loss = self.run.task.batch_loss(engine, x, y)
+            out = task.forward(engine, x, y)
+            loss = task.loss(out, y)
+            router = task.aux_loss(out)
+            if router is not None:
+                aux.append(router)
             for on_loss in self._on_loss:
                 loss = on_loss(loss)
             for hook in self._pre_backward:
@@ -221,7 +227,13 @@ class Trainer:
             hook()
         self.prog.samples_consumed += self.batch
         done = self.checks.record(
-            losses, digest, self.saver.busy, self.prog.samples_consumed, t0, loader.wait_s - wait0
+            losses,
+            digest,
+            self.saver.busy,
+            self.prog.samples_consumed,
+            t0,
+            loader.wait_s - wait0,
+            aux,
         )
         for hook in self._post_step:
             hook(done)
