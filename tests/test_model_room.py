@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,7 +93,9 @@ def _routes(model: torch.nn.Module, token: int) -> list[frozenset[int]]:
     position has the same hidden state, so one set per layer)."""
     got: list[frozenset[int]] = []
     hooks = [
-        m.register_forward_hook(lambda _m, _a, out: got.append(frozenset(out[2].flatten().tolist())))
+        m.register_forward_hook(
+            lambda _m, _a, out: got.append(frozenset(out[2].flatten().tolist()))
+        )
         for m in model.modules()
         if type(m).__name__.endswith("TopKRouter")
     ]
@@ -124,10 +127,15 @@ def test_moe_ranks_routed_to_disjoint_experts_train_without_a_hang(tmp_path):
         assert r["losses"][-1] < r["losses"][0]
 
 
-def _check(tmp_path: Path, capsys, model: dict) -> list[dict]:
+def _json(out: str) -> list[dict]:
+    # DeepSpeed's logger, made by an earlier test of this process, may hold pytest's stdout.
+    return json.loads("\n".join(line for line in out.splitlines() if not line.startswith("[20")))
+
+
+def _check(tmp_path: Path, capsys, model: dict, expect: int = 2) -> list[dict]:
     folder = llama(tmp_path / "llama")
     raw = json.loads((REPO / "ds_configs" / "cpu_zero2_fp32.json").read_text())
-    (tmp_path / "t.bin").write_bytes(bytes(range(200)) * 20)
+    (tmp_path / "t.bin").write_bytes((np.arange(2000) % 200).astype(np.uint16).tobytes())
     raw["wonderland"] = {
         "task": "causal-lm",
         "model": {"hf": str(folder), **model},
@@ -137,8 +145,8 @@ def _check(tmp_path: Path, capsys, model: dict) -> list[dict]:
     path = tmp_path / "c.json"
     path.write_text(json.dumps(raw))
     rc = cli.main(["check", str(path), "--json"])
-    found = json.loads(capsys.readouterr().out)
-    assert rc == 2, found
+    found = _json(capsys.readouterr().out)
+    assert rc == expect, found
     return found
 
 
@@ -157,3 +165,24 @@ def test_check_refuses_a_half_load_dtype_for_fp32_training(tmp_path, capsys):
 def test_check_refuses_an_unknown_lever_with_its_path(tmp_path, capsys):
     found = _check(tmp_path, capsys, {"attn_implementation": "fast"})
     assert any("attn_implementation" in f["path"] for f in found if f["severity"] == "error")
+
+
+def test_check_estimates_memory_per_rank_and_refuses_what_does_not_fit(tmp_path, capsys):
+    # Declared devices too small for the model: refused, the fixes named, ZeRO-3 among them.
+    found = _check(tmp_path, capsys, {}, expect=0)
+    raw = json.loads((tmp_path / "c.json").read_text())
+    raw["wonderland"]["device_memory_gb"] = 0.0005
+    raw["train_micro_batch_size_per_gpu"] = 8
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    assert cli.main(["check", str(tmp_path / "c.json"), "--json", "--world-size", "2"]) == 2
+    (est,) = [f for f in _json(capsys.readouterr().out) if f["rule"] == "memory"]
+    assert est["severity"] == "error" and est["path"] == "wonderland.device_memory_gb"
+    assert "ZeRO-3" in est["fix"] and "gradient_checkpointing" in est["fix"], est
+    assert "with gradient checkpointing" in est["message"]
+    # 2 ranks under ZeRO-2 in fp32: the optimizer states are split in two, parameters are not.
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    params = sum(p.numel() for p in model.parameters())
+    assert f"{params / 1e6:.1f}M parameters, ZeRO-2, 2 rank(s)" in est["message"]
+    assert f"parameters {4 * params / 1e9:.2f} GB" in est["message"]
+    assert f"optimizer {12 * params / 2 / 1e9:.2f} GB" in est["message"]
+    assert [f["severity"] for f in found if f["rule"] == "memory"] == ["ok"]  # fits here

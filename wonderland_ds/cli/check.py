@@ -4,6 +4,9 @@ GPU; a config naming a user task also builds its model and runs one forward on i
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+from typing import Any
 
 from wonderland_ds.cli.common import Commands
 from wonderland_ds.core.findings import EXIT_OK, EXIT_REFUSED, Finding, has_errors, render
@@ -26,7 +29,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         found = ds_config.check_file(path, world, stages)
         findings += found or [Finding("config", "ok", "valid", "", path)]
         if not has_errors(found):
-            findings += _task_findings(path, args.task)
+            # Library lines (DeepSpeed's logger binds stdout at its import) go to stderr:
+            # stdout is the report, --json's too.
+            with contextlib.redirect_stdout(sys.stderr):
+                findings += _task_findings(path, args.task)
+                findings += _memory_findings(path, world, hf)
             if hf is not None and hf.localhost_only:  # the stage would run on this CPU
                 findings += _cpu_findings(path)
     render(findings, args.json)
@@ -63,6 +70,27 @@ def _task_findings(path: str, spec: str | None) -> list[Finding]:
     assert settings is not None
     micro = raw.get("train_micro_batch_size_per_gpu")
     return check_task(spec, settings, micro if isinstance(micro, int) and micro > 0 else 1, path)
+
+
+def _memory_findings(path: str, world: int | None, hf: Any) -> list[Finding]:
+    """The causal-LM task's memory per rank against a device's (model/memory.py)."""
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.core.findings import Refused
+    from wonderland_ds.model import memory
+
+    raw, _ = ds_config.load_json(path)
+    assert raw is not None
+    _, settings, _ = ds_config.validate(raw, path)
+    if settings is None or settings.model is None or settings.data is None:
+        return []
+    nodes = len(hf.hosts) if hf is not None else 1
+    world = world or 1
+    here = hf is None or hf.localhost_only
+    device = memory.device_memory_gb(settings, max(1, world // nodes), here)
+    try:
+        return memory.findings(raw, settings, world, nodes, device, path)
+    except Refused as exc:
+        return exc.findings
 
 
 def add_parser(sub: Commands) -> None:

@@ -49,6 +49,9 @@ def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -
         return [Finding("task-forward", "error", f"task {spec!r}: {msg}", fix, file, where)]
 
     torch.manual_seed(settings.seed)
+    big = _too_big_to_try(settings)
+    if big is not None:
+        return [Finding("task", "ok", f"task {task.name}: {big}", "", file, where)]
     try:
         model = task.build_model()
     except Refused as exc:
@@ -96,6 +99,29 @@ def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -
             where,
         )
     ]
+
+
+def _too_big_to_try(settings: WonderlandSettings) -> str | None:
+    """Why one trial forward is skipped: a causal-LM model whose fp32 weights alone would take
+    over a quarter of this host's available memory (the memory estimate still runs)."""
+    import os
+
+    if settings.model is None:
+        return None
+    from wonderland_ds.model.memory import model_shape
+
+    need = model_shape(settings).params * 4
+    try:
+        with open("/proc/meminfo") as fh:
+            avail = next(int(line.split()[1]) * 1024 for line in fh if "MemAvailable" in line)
+    except (OSError, StopIteration):
+        avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need <= avail / 4:
+        return None
+    return (
+        f"the trial forward is skipped here: the fp32 model ({need / 1e9:.1f} GB) would take"
+        f" over a quarter of this host's {avail / 1e9:.1f} GB available"
+    )
 
 
 def names_a_task(raw: dict[str, Any]) -> str | None:

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from wonderland_ds.config.settings import HFModel
+from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import Refused
 
 if TYPE_CHECKING:
@@ -109,18 +110,23 @@ def build_hf(spec: HFModel, empty: bool = False) -> nn.Module:
     tf = import_transformers()
     kwargs = {"dtype": getattr(torch, spec.dtype), "attn_implementation": spec.attn_implementation}
     try:
-        if spec.init == "weights" and not empty:
-            model = tf.AutoModelForCausalLM.from_pretrained(spec.hf, **kwargs)
-        else:
-            config = tf.AutoConfig.from_pretrained(spec.hf)
-            model = tf.AutoModelForCausalLM.from_config(config, **kwargs)
+        model = _load(tf, spec, empty, kwargs)
     except (ValueError, ImportError) as exc:
-        if "attn" not in str(exc).lower() and "attention" not in str(exc).lower():
+        if "attention implementation" not in str(exc) and "attn_implementation" not in str(exc):
             raise
-        raise Refused(
-            f"wonderland.model.attn_implementation {spec.attn_implementation!r}: {exc}",
-            'use "eager" (every architecture has it) or "sdpa"',
-        ) from None
+        if spec.attn_implementation != "sdpa":
+            raise Refused(
+                f"wonderland.model.attn_implementation {spec.attn_implementation!r}: {exc}",
+                'use "eager" (every architecture has it)',
+            ) from None
+        # sdpa (the default) where the architecture has no such kernel (Gemma2): eager, said.
+        log("model.attn_implementation: this architecture has no sdpa attention; using eager")
+        model = _load(tf, spec, empty, kwargs | {"attn_implementation": "eager"})
+    return _with_levers(model, spec)
+
+
+def _with_levers(model: Any, spec: HFModel) -> nn.Module:
+    """The settings that live on the built model: no KV cache, the router loss, checkpointing."""
     model.config.use_cache = False  # training and scoring never decode: no KV cache
     if hasattr(model.config, "output_router_logits"):
         model.config.output_router_logits = spec.router_aux_loss
@@ -134,6 +140,13 @@ def build_hf(spec: HFModel, empty: bool = False) -> nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mark_leaf_modules(model)
     return model
+
+
+def _load(tf: Any, spec: HFModel, empty: bool, kwargs: dict[str, Any]) -> nn.Module:
+    if spec.init == "weights" and not empty:
+        return tf.AutoModelForCausalLM.from_pretrained(spec.hf, **kwargs)
+    config = tf.AutoConfig.from_pretrained(spec.hf)
+    return tf.AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def for_scoring(model: nn.Module) -> nn.Module:
