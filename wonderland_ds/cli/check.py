@@ -32,8 +32,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             # Library lines (DeepSpeed's logger binds stdout at its import) go to stderr:
             # stdout is the report, --json's too.
             with contextlib.redirect_stdout(sys.stderr):
-                findings += _task_findings(path, args.task)
-                findings += _memory_findings(path, world, hf)
+                task = _task_findings(path, args.task)
+                findings += task
+                if not has_errors(task):  # the estimate needs a model that loads
+                    findings += _memory_findings(path, world, hf)
             if hf is not None and hf.localhost_only:  # the stage would run on this CPU
                 findings += _cpu_findings(path)
     render(findings, args.json)

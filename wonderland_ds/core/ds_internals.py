@@ -84,6 +84,21 @@ INTERNALS: dict[str, Internal] = {
             "doctor: the ops built at install time",
         ),
         Internal(
+            "deepspeed.utils",
+            ("set_z3_leaf_modules",),
+            "ZeRO-3: a mixture-of-experts block's parameters fetched whole, whichever experts run",
+        ),
+        Internal(
+            "deepspeed.runtime.zero.stage3",
+            ("estimate_zero3_model_states_mem_needs",),
+            "check: DeepSpeed's own per-rank memory figure for ZeRO-3",
+        ),
+        Internal(
+            "deepspeed.runtime.zero.stage_1_and_2",
+            ("estimate_zero2_model_states_mem_needs",),
+            "check: DeepSpeed's own per-rank memory figure for ZeRO-1/2",
+        ),
+        Internal(
             "deepspeed.utils.groups",
             ("_clone_world_group",),
             "ZeRO reduces on this copy of the world group, which torch gives its default "

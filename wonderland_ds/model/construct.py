@@ -83,9 +83,9 @@ def mark_leaf_modules(model: nn.Module) -> list[str]:
     """ZeRO-3 fetches a leaf module's parameters all at once, whichever experts run."""
     classes = moe_blocks(model)
     if classes:
-        from deepspeed.utils import set_z3_leaf_modules
+        from wonderland_ds.core import ds_internals
 
-        set_z3_leaf_modules(model, classes)
+        ds_internals.attr("deepspeed.utils", "set_z3_leaf_modules")(model, classes)
     return [c.__name__ for c in classes]
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.core import ds_internals
 from wonderland_ds.core.findings import Finding
 
 GB = 1e9
@@ -80,15 +81,15 @@ def states(shape: Shape, raw: dict[str, Any], world: int, nodes: int) -> dict[st
     if mixed and stage in (1, 2, 3):  # DeepSpeed's own figure for these
         per_node = max(1, world // max(1, nodes))
         if stage == 3:
-            from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-            _, dev, _ = estimate_zero3_model_states_mem_needs(
-                n, shape.largest_layer, per_node, nodes, off_opt, off_param, True, 1.0
+            z3 = ds_internals.attr(
+                "deepspeed.runtime.zero.stage3", "estimate_zero3_model_states_mem_needs"
             )
+            _, dev, _ = z3(n, shape.largest_layer, per_node, nodes, off_opt, off_param, True, 1.0)
         else:
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-            _, dev = estimate_zero2_model_states_mem_needs(n, per_node, nodes, off_opt, 1.0)
+            z2 = ds_internals.attr(
+                "deepspeed.runtime.zero.stage_1_and_2", "estimate_zero2_model_states_mem_needs"
+            )
+            _, dev = z2(n, per_node, nodes, off_opt, 1.0)
         out["total"] = float(dev)
     return out
 
