@@ -100,11 +100,11 @@ def wonderland_side(config: Path, run: Path, steps: int, warm: int) -> dict:
     }
 
 
-def plain_side(config: Path, out: Path, steps: int, warm: int) -> dict:
+def plain_side(config: Path, out: Path, steps: int, warm: int, extra: tuple[str, ...] = ()) -> dict:
     port = 29500 + int(time.time() * 1000) % 400
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check", "--master_addr"]
     cmd += ["127.0.0.1", "--master_port", str(port), str(REPO / "bench" / "plain_causal_lm.py")]
-    cmd += ["--config", str(config), "--steps", str(steps), "--out", str(out)]
+    cmd += ["--config", str(config), "--steps", str(steps), "--out", str(out), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"plain side failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")

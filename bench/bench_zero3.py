@@ -1,0 +1,234 @@
+"""Models bigger than a rank, on the causal-LM task, side by side in one run:
+
+    python bench/bench_zero3.py --out bench/results/zero3.json
+
+* rank memory vs world size: ``wonderland train --stage 15`` under ZeRO-3 (fp32) on a ~150M
+  Llama loaded from sharded safetensors (``init: weights``), on 4 and 8 ranks, and the same
+  runs on a ~1M Llama (the process baseline: torch, DeepSpeed, gloo, the loop). A rank's peak
+  RSS above the baseline is what the model costs it; partitioned, it should fall as 1/N.
+* gradient checkpointing: the same stage on a small Llama with a long sequence, with and
+  without ``gradient_checkpointing``, each against the same run at a short sequence: the
+  difference is the activation peak.
+* step time: ``wonderland train`` against the plain DeepSpeed + ``transformers`` loop of
+  ``bench/plain_causal_lm.py`` (``zero.Init`` through ``HfDeepSpeedConfig``, the same
+  non-reentrant checkpointing), ZeRO-3, 2 ranks, the order rotating, plus the plain loop again
+  (the noise floor).
+* export: stage 18's streamed writer on each stage-15 checkpoint above, in a fresh process: its
+  peak RSS above the process after imports, against the model's fp32 size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+BIN = Path(PY).parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_causal_lm import plain_side  # noqa: E402
+
+LLAMA = {
+    "big": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=14,
+                num_attention_heads=12, vocab_size=32000),  # ~150M parameters
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, vocab_size=32000),  # the baseline: ~4M, the embeddings
+    "long": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                 num_attention_heads=8, vocab_size=4096),
+}  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+
+
+def llama(folder: Path, name: str, positions: int) -> int:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=positions, **LLAMA[name]))
+    model.save_pretrained(folder, max_shard_size="100MB")  # sharded, with an index
+    return sum(p.numel() for p in model.parameters())
+
+
+def config(work: Path, name: str, model: Path, seq_len: int, micro: int, **levers) -> Path:
+    vocab = LLAMA["long" if name.startswith(("long", "step")) else "big"]["vocab_size"]
+    tokens = work / f"tokens{vocab}.bin"
+    if not tokens.exists():
+        np.random.default_rng(0).integers(0, vocab, 2_000_000, dtype=np.uint16).tofile(tokens)
+    raw = json.loads((REPO / "ds_configs" / "cpu_zero2_fp32.json").read_text())
+    # ZeRO-3's buffers sized to the model, as transformers' "auto" values size them:
+    # DeepSpeed's defaults (5e8-element buckets, 1e9 live parameters) keep a 150M model
+    # gathered whole on every rank.
+    hidden = LLAMA["long" if name.startswith(("long", "step")) else "big"]["hidden_size"]
+    raw["zero_optimization"] = {
+        "stage": 3,
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+        "stage3_max_live_parameters": 30_000_000,
+        "stage3_max_reuse_distance": 30_000_000,
+    }
+    raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"] = micro, 1
+    raw["wonderland"] = {
+        "task": "causal-lm",
+        "model": {"hf": str(model), "init": "weights", **levers},
+        "data": {"train": [str(tokens)], "heldout": {"held": [str(tokens)]},
+                 "dtype": "uint16", "seq_len": seq_len},
+        "save_interval": 100_000, "log_interval": 100_000, "keep_last": 1,
+    }  # fmt: skip
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def train(config: Path, run: Path, steps: int, nproc: int) -> dict:
+    cmd = [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(config)]
+    cmd += ["--run-dir", str(run), "--steps", str(steps), "--nproc", str(nproc)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=REPO)
+    if done.returncode != 0:
+        raise SystemExit(f"{config.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
+    with open(run / "stage15" / "metrics.csv", newline="") as fh:
+        walls = [float(r["wall"]) for r in csv.DictReader(fh)]
+    stage = json.loads((run / "run.json").read_text())["stages"]["15"]
+    return {"peak_rss_mb": stage["peak_rss_mb"], "walls": walls}
+
+
+def step_s(walls: list[float], warm: int) -> float:
+    return (walls[-1] - walls[warm - 1]) / (len(walls) - warm)
+
+
+EXPORT = """
+import json, resource, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from wonderland_ds.model import export
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+hf, tag, out = sys.argv[1:4]
+cfg = AutoConfig.from_pretrained(hf)
+before = rss()
+export.export_weights(lambda: AutoModelForCausalLM.from_config(cfg), Path(tag), Path(out),
+                      torch.float32, 100 << 20)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+files = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
+print(json.dumps({"rss_before_mb": before, "peak_mb": peak, "export_bytes": files}))
+"""
+
+
+def export_peak(hf: Path, run: Path, out: Path) -> dict:
+    (state,) = run.glob("stage15/**/zero_pp_rank_0_mp_rank_00_model_states.pt")
+    done = subprocess.run([PY, "-c", EXPORT, str(hf), str(state.parent), str(out)],
+                          capture_output=True, text=True, env=env(), cwd=REPO)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"export failed:\n{done.stderr[-3000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got["above_mb"] = got["peak_mb"] - got["rss_before_mb"]
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=3, help="step-time repetitions")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warm", type=int, default=4, help="steps left out of the timing")
+    ap.add_argument("--long-seq", type=int, default=2048)
+    ap.add_argument("--work", help="working folder (default: a temporary one)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench_zero3_"))
+    work.mkdir(parents=True, exist_ok=True)
+    params = {n: llama(work / n, n, args.long_seq) for n in LLAMA}
+    result: dict = {"parameters": params, "memory_vs_world": {}, "checkpointing": {}}
+
+    # Rank memory vs world size: 3 steps each, micro 1 x 64 tokens.
+    runs = {}
+    for ranks in (4, 8):
+        for name in ("tiny", "big"):
+            cfg = config(work, f"{name}{ranks}", work / name, 64, 1)
+            runs[name, ranks] = work / f"run_{name}{ranks}"
+            got = train(cfg, runs[name, ranks], 3, ranks)
+            result["memory_vs_world"][f"{name}@{ranks}"] = got["peak_rss_mb"]
+            print(f"{name} on {ranks} ranks: peak RSS {got['peak_rss_mb']}", flush=True)
+    above = {}
+    for ranks in (4, 8):
+        base = max(result["memory_vs_world"][f"tiny@{ranks}"])
+        above[ranks] = max(result["memory_vs_world"][f"big@{ranks}"]) - base
+    result["model_mb_per_rank_above_baseline"] = above
+    result["fall_4_to_8"] = above[8] / above[4]
+    result["model_states_mb_per_rank_expected"] = {
+        r: 16 * (params["big"] - params["tiny"]) / r / 2**20 for r in (4, 8)
+    }
+
+    # Gradient checkpointing: micro 2 x long_seq against micro 2 x 64, 2 ranks.
+    for ckpt in (False, True):
+        peaks = {}
+        for seq in (64, args.long_seq):
+            cfg = config(work, f"long_{seq}_{ckpt}", work / "long", seq, 2,
+                         gradient_checkpointing=ckpt)  # fmt: skip
+            peaks[seq] = max(train(cfg, work / f"run_long_{seq}_{ckpt}", 3, 2)["peak_rss_mb"])
+        result["checkpointing"][f"activation_peak_mb_ckpt_{ckpt}"] = (
+            peaks[args.long_seq] - peaks[64]
+        )
+        print(f"checkpointing {ckpt}: {peaks}", flush=True)
+    ck = result["checkpointing"]
+    ck["cut"] = ck["activation_peak_mb_ckpt_False"] / ck["activation_peak_mb_ckpt_True"]
+
+    # Step time, ZeRO-3 with checkpointing, 2 ranks, micro 4 x 256 on the small Llama.
+    side_cfg = config(work, "step", work / "long", 256, 4, gradient_checkpointing=True)
+    sides: dict[str, list[float]] = {"wonderland": [], "plain": [], "plain_again": []}
+    order = list(sides)
+    for rep in range(args.reps):
+        k = rep % len(order)
+        for side in order[k:] + order[:k]:
+            if side == "wonderland":
+                walls = train(side_cfg, work / f"step_{rep}", args.steps, 2)["walls"]
+                got = step_s(walls, args.warm)
+            else:
+                got = plain_step(side_cfg, work / f"{side}{rep}.json", args.steps, args.warm)
+            sides[side].append(got)
+            print(f"rep {rep} {side}: {got:.4f} s", flush=True)
+    result["step"] = {
+        "sides_s": sides,
+        "wonderland_median_s": statistics.median(sides["wonderland"]),
+        "plain_median_s": statistics.median(sides["plain"]),
+        "ratio_paired": statistics.median(
+            w / p for w, p in zip(sides["wonderland"], sides["plain"])
+        ),
+        "noise_floor_plain_again": statistics.median(
+            a / p for a, p in zip(sides["plain_again"], sides["plain"])
+        ),
+    }
+
+    # Export peak vs model size.
+    result["export"] = {
+        name: export_peak(work / name, runs[name, 4], work / f"export_{name}")
+        for name in ("tiny", "big")
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "step"}, indent=2))
+    print(json.dumps({k: v for k, v in result["step"].items() if k != "sides_s"}, indent=2))
+
+
+def plain_step(config: Path, out: Path, steps: int, warm: int) -> float:
+    """The plain loop with the same checkpointing: ``plain_side`` with ``--grad-ckpt``."""
+    return plain_side(config, out, steps, warm, extra=("--grad-ckpt",))["step_s"]
+
+
+if __name__ == "__main__":
+    main()
