@@ -78,6 +78,29 @@ def test_a_write_that_fails_on_a_full_disk_is_removed_and_the_stage_resumes(tmpf
 
 
 @pytest.mark.slow
+def test_one_rank_refused_a_write_stops_every_rank_at_once_with_its_cause(tmp_path):
+    """Only rank 1's writes fail (RLIMIT_FSIZE, a real EFBIG): rank 0's shards fit, and its wait
+    for rank 1's marker ends at once on rank 1's failure marker, not at the time limit; the
+    stop names rank 1's write as the cause (exit 5), not rank 0's wait."""
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    result = wonderland(
+        "train", "--stage", "15", "--config", TINY32, "--run-dir", str(run),
+        "--steps", "30", "--fault", "diskfull@save:step=20:rank=1",
+    )  # fmt: skip
+    elapsed = time.monotonic() - t0
+    out = result.stdout + result.stderr
+    assert result.returncode == 5, out[-3000:]
+    assert "FAULT INJECTED: diskfull at save step 20" in out  # the fault really happened
+    assert "refused a write (a file-size limit" in out and "Traceback" not in out
+    assert "(rank 1: OSError" in out and "did not finish" not in out  # the cause, not the echo
+    assert elapsed < 60, f"rank 0 waited for the time limit: {elapsed:.0f} s"
+    root = run / "stage15" / "checkpoints"
+    assert [p.name for _, p in ck.tags(root)] == ["global_step10"]  # the partial is gone
+    assert ck.read_latest(root) == "global_step10"
+
+
+@pytest.mark.slow
 def test_a_save_that_would_not_fit_is_not_started(tmpfs, tmp_path):
     run, config = _run_on(tmpfs, tmp_path, "stop")
     result = wonderland("train", "--stage", "15", "--config", config, "--run-dir", str(run))

@@ -61,6 +61,7 @@ class Writer:
         # (job, release): release runs once the job is done or skipped (held files).
         self._q: queue.Queue[tuple[Callable[[], None], Callable[[], None]] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self.on_error: Callable[[], None] | None = None  # run once, at the first failure
         self._pending = 0
         self._held = 0  # queued files that still read live training tensors
         self._fenced: list[Any] = []  # held device copies' events, for the next fence
@@ -82,6 +83,8 @@ class Writer:
                     job()
             except BaseException as exc:  # surfaced by wait(); the process goes on
                 self._error = exc
+                if self.on_error is not None:
+                    self.on_error()
             finally:
                 release()  # a skipped or failed held file no longer holds the loop
                 with self._lock:

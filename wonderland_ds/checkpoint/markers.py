@@ -13,18 +13,35 @@ from typing import Any
 import torch
 
 
+class MarkersMissing(TimeoutError):
+    """Rank 0 waited for other ranks' markers in vain: a consequence of their failure (a
+    ``.failed-rankR`` marker says so at once) or of a slow disk (the time limit)."""
+
+
 def wait_for_markers(tag_dir: Path, world: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         done = [r for r in range(world) if (tag_dir / f".done-rank{r}").exists()]
         if len(done) == world:
             return
+        failed = [r for r in range(world) if (tag_dir / f".failed-rank{r}").exists()]
+        if failed:
+            raise MarkersMissing(f"ranks {failed} failed writing {tag_dir.name}")
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(done))
-            raise TimeoutError(
+            raise MarkersMissing(
                 f"ranks {missing} did not finish writing {tag_dir.name} within {timeout_s:.0f} s"
             )
         time.sleep(0.02)
+
+
+def mark_failed(tag_dir: Path, rank: int) -> None:
+    """This rank's write failed: an empty file (no data block, so it fits on a full disk) that
+    stops rank 0's wait for this rank's marker at once. Best effort: the stop is agreed anyway."""
+    try:
+        (tag_dir / f".failed-rank{rank}").touch()
+    except OSError:
+        pass
 
 
 def rng_states() -> dict[str, Any]:

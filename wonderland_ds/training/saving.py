@@ -94,10 +94,12 @@ class Saver(Callback):
             },
         }
         faults.limit_file_size(run.fault, step, dist.rank())
+        rank = dist.rank()
+        writer.on_error = lambda: markers.mark_failed(tag_dir, rank)  # rank 0 stops waiting
         engine.save_checkpoint(str(run.ckpt_root), tag=tag, client_state=client, save_latest=False)
         writer.pool.trim()
         # Each rank's RNG states ride its own marker (no collective on the loop's time).
-        rank, rng = dist.rank(), markers.rng_states()
+        rng = markers.rng_states()
         writer.submit(lambda: markers.mark_done(tag_dir, rank, rng))
         if dist.is_main():
             meta = _meta(run, engine, prog, loss, state)
@@ -192,7 +194,7 @@ class Saver(Callback):
         half-written checkpoint is removed and the previous complete one stays the newest."""
         assert self.writer is not None
         root = self.run.ckpt_root
-        error: tuple[str, bool] | None = None
+        error: tuple[str, bool, bool] | None = None
         try:
             self.writer.wait(timeout=self.timeout * 2)
         except (OSError, TimeoutError, RuntimeError) as exc:
@@ -200,17 +202,21 @@ class Saver(Callback):
             # OSError without one, caused by torch's error (checkpoint/async_save.py).
             wrapped = isinstance(exc, OSError) and exc.errno is None and exc.__cause__ is not None
             storage = disk_error(exc) or wrapped
-            error = (f"rank {dist.rank()}: {type(exc).__name__}: {exc}", storage)
+            waited = isinstance(exc, markers.MarkersMissing)  # another rank's failure, or slow
+            error = (f"rank {dist.rank()}: {type(exc).__name__}: {exc}", storage, waited)
         got = [e for e in dist.gather_all(error) if e]
         if not got:
             return
+        # The cause first: rank 0's wait for the others' markers only echoes their failure.
+        got = [e for e in got if not e[2]] + [e for e in got if e[2]]
         newest = ck.newest_complete(root, deep=False)
         if dist.is_main():
             for _step, path in ck.tags(root):
                 if ck.read_meta(path) is None and (newest is None or path != newest.tag_dir):
                     shutil.rmtree(path, ignore_errors=True)
-        errors = [text for text, _ in got]
-        if all(disk for _, disk in got):
+        errors = [text for text, _, _ in got]
+        causes = [disk for _, disk, waited in got if not waited]
+        if causes and all(causes):
             kept = f"{newest.tag_dir.name} is intact" if newest is not None else "none is complete"
             free = free_bytes(root)
             full = newest is None or free < tree_bytes(newest.tag_dir)
