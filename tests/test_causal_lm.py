@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.util import REPO, snapshot, wonderland
+from tests.helpers.util import REPO, losses, snapshot, wonderland
 from wonderland_ds.cli import main as cli
 from wonderland_ds.data.tasks import ModelContractError, standard_loss
 
@@ -200,6 +200,43 @@ def test_the_task_loss_is_the_hf_models_own(setup):
 
 
 @pytest.mark.slow
+def test_pretrained_weights_train_in_training_mode(tmp_path):
+    """from_pretrained returns a model in eval mode; the stage trains it in training mode:
+    with dropout in the model's config the first loss differs from the same weights' without
+    (the same batch, the same seed). transformers' gradient checkpointing, too, acts only in
+    training mode."""
+    torch.manual_seed(0)
+    folder = tmp_path / "model"
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)
+    ).save_pretrained(folder)
+    tokens(tmp_path / "train.bin", 4000)
+    first = {}
+    for drop in (0.0, 0.5):
+        hf = json.loads((folder / "config.json").read_text())
+        hf.update(resid_pdrop=drop, embd_pdrop=drop, attn_pdrop=drop)
+        (folder / "config.json").write_text(json.dumps(hf))
+        config = json.loads((REPO / "ds_configs" / "cpu_zero2_fp32.json").read_text())
+        config["wonderland"] = {
+            "task": "causal-lm",
+            "model": {"hf": str(folder), "init": "weights"},
+            "data": {
+                "train": [str(tmp_path / "train.bin")],
+                "heldout": {"held": [str(tmp_path / "train.bin")]},
+                "dtype": "uint16",
+                "seq_len": 16,
+            },
+        }
+        path = tmp_path / f"drop{drop}.json"
+        path.write_text(json.dumps(config))
+        run = tmp_path / f"run{drop}"
+        args = ["--config", str(path), "--run-dir", str(run), "--steps", "1", "--nproc", "1"]
+        done = wonderland("train", "--stage", "15", *args)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        first[drop] = losses(run / "stage15")[1]
+    assert first[0.5] != pytest.approx(first[0.0], rel=1e-4), first  # dropout was on
+
+
 def test_example_runs_stages_15_to_18_and_its_export_reloads(tmp_path):
     out = tmp_path / "ex"
     prep = subprocess.run(

@@ -145,6 +145,9 @@ class Trainer:
         rollback or a save as they decide. Returns the stage's figures for the record."""
         for hook in self._on_start:
             hook()
+        # Training mode: from_pretrained returns a model in eval mode (no dropout, and
+        # transformers' gradient checkpointing only recomputes in training mode).
+        self.engine.train()
         self.loader = self._loader_from(self.first)
         # The stage is set up: the collector, off while this rank started (train.py), is back
         # on after one collection of what the start left (startup.py).
