@@ -113,7 +113,7 @@ def plain_side(config: Path, out: Path, steps: int, warm: int, extra: tuple[str,
 
 
 FRONT = """
-import json, resource, sys, time
+import json, sys, time
 t0 = time.perf_counter()
 from wonderland_ds.config import ds_config
 from wonderland_ds.data import lm
@@ -122,7 +122,9 @@ _, settings, _ = ds_config.validate(raw, sys.argv[1])
 task = lm.load_task(settings.task, settings).materialize()
 took = time.perf_counter() - t0
 print(json.dumps({"seconds": took, "samples": len(task.train), "fingerprint": task.fingerprint,
-                  "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  # VmHWM, not ru_maxrss: that one carries over the parent's across exec.
+                  "max_rss_mb": next(int(line.split()[1]) / 1024 for line in open("/proc/self/status")
+                                     if line.startswith("VmHWM:"))}))
 """
 
 

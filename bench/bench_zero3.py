@@ -48,8 +48,13 @@ LLAMA = {
 }  # fmt: skip
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+def env(live: bool = False) -> dict[str, str]:
+    """``live``: glibc returns every freed block over 128 KiB at once, so a process's peak
+    RSS is the memory it really held at once; by default glibc's mmap threshold grows with
+    the first large frees, and freed activations then stay in its heap (for step time, the
+    allocator as users run it)."""
+    extra = {"MALLOC_MMAP_THRESHOLD_": "131072"} if live else {}
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra)
 
 
 def llama(folder: Path, name: str, positions: int) -> int:
@@ -93,10 +98,10 @@ def config(work: Path, name: str, model: Path, seq_len: int, micro: int, **lever
     return path
 
 
-def train(config: Path, run: Path, steps: int, nproc: int) -> dict:
+def train(config: Path, run: Path, steps: int, nproc: int, live: bool = False) -> dict:
     cmd = [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(config)]
     cmd += ["--run-dir", str(run), "--steps", str(steps), "--nproc", str(nproc)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=REPO)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env(live), cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"{config.name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
     with open(run / "stage15" / "metrics.csv", newline="") as fh:
@@ -110,21 +115,22 @@ def step_s(walls: list[float], warm: int) -> float:
 
 
 EXPORT = """
-import json, resource, sys
+import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from wonderland_ds.model import export
-def rss():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key):
             return int(line.split()[1]) / 1024
 hf, tag, out = sys.argv[1:4]
 cfg = AutoConfig.from_pretrained(hf)
-before = rss()
+before = status("VmRSS:")
 export.export_weights(lambda: AutoModelForCausalLM.from_config(cfg), Path(tag), Path(out),
                       torch.float32, 100 << 20)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec.
+peak = status("VmHWM:")
 files = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
 print(json.dumps({"rss_before_mb": before, "peak_mb": peak, "export_bytes": files}))
 """
@@ -133,7 +139,7 @@ print(json.dumps({"rss_before_mb": before, "peak_mb": peak, "export_bytes": file
 def export_peak(hf: Path, run: Path, out: Path) -> dict:
     (state,) = run.glob("stage15/**/zero_pp_rank_0_mp_rank_00_model_states.pt")
     done = subprocess.run([PY, "-c", EXPORT, str(hf), str(state.parent), str(out)],
-                          capture_output=True, text=True, env=env(), cwd=REPO)  # fmt: skip
+                          capture_output=True, text=True, env=env(True), cwd=REPO)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"export failed:\n{done.stderr[-3000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -149,19 +155,44 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4, help="steps left out of the timing")
     ap.add_argument("--long-seq", type=int, default=2048)
     ap.add_argument("--work", help="working folder (default: a temporary one)")
+    ap.add_argument("--parts", default="memory,checkpointing,step,export",
+                    help="what to measure; results merge into --out's earlier ones")  # fmt: skip
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if "export" in parts and "memory" not in parts:
+        ap.error("export reads the memory part's checkpoints: add memory to --parts")
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_zero3_"))
     work.mkdir(parents=True, exist_ok=True)
     params = {n: llama(work / n, n, args.long_seq) for n in LLAMA}
-    result: dict = {"parameters": params, "memory_vs_world": {}, "checkpointing": {}}
+    out = Path(args.out)
+    result: dict = json.loads(out.read_text()) if out.exists() else {}
+    result["parameters"] = params
+    if "memory" in parts:
+        runs = memory(result, work, params)
+    if "checkpointing" in parts:
+        checkpointing(result, work, args.long_seq)
+    if "step" in parts:
+        step(result, work, args)
+    if "export" in parts:
+        result["export"] = {
+            name: export_peak(work / name, runs[name, 4], work / f"export_{name}")
+            for name in ("tiny", "big")
+        }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "step"}, indent=2))
+    print(json.dumps({k: v for k, v in result.get("step", {}).items() if k != "sides_s"}, indent=2))
 
-    # Rank memory vs world size: 3 steps each, micro 1 x 64 tokens.
+
+def memory(result: dict, work: Path, params: dict) -> dict:
+    """Rank memory vs world size: 3 steps each, micro 1 x 64 tokens."""
+    result["memory_vs_world"] = {}
     runs = {}
     for ranks in (4, 8):
         for name in ("tiny", "big"):
             cfg = config(work, f"{name}{ranks}", work / name, 64, 1)
             runs[name, ranks] = work / f"run_{name}{ranks}"
-            got = train(cfg, runs[name, ranks], 3, ranks)
+            got = train(cfg, runs[name, ranks], 3, ranks, live=True)
             result["memory_vs_world"][f"{name}@{ranks}"] = got["peak_rss_mb"]
             print(f"{name} on {ranks} ranks: peak RSS {got['peak_rss_mb']}", flush=True)
     above = {}
@@ -173,22 +204,27 @@ def main() -> None:
     result["model_states_mb_per_rank_expected"] = {
         r: 16 * (params["big"] - params["tiny"]) / r / 2**20 for r in (4, 8)
     }
+    return runs
 
-    # Gradient checkpointing: micro 2 x long_seq against micro 2 x 64, 2 ranks.
+
+def checkpointing(result: dict, work: Path, long_seq: int) -> None:
+    """Gradient checkpointing: micro 2 x long_seq against micro 2 x 64, 2 ranks."""
+    result["checkpointing"] = {}
     for ckpt in (False, True):
         peaks = {}
-        for seq in (64, args.long_seq):
+        for seq in (64, long_seq):
             cfg = config(work, f"long_{seq}_{ckpt}", work / "long", seq, 2,
                          gradient_checkpointing=ckpt)  # fmt: skip
-            peaks[seq] = max(train(cfg, work / f"run_long_{seq}_{ckpt}", 3, 2)["peak_rss_mb"])
-        result["checkpointing"][f"activation_peak_mb_ckpt_{ckpt}"] = (
-            peaks[args.long_seq] - peaks[64]
-        )
+            run = work / f"run_long_{seq}_{ckpt}"
+            peaks[seq] = max(train(cfg, run, 3, 2, live=True)["peak_rss_mb"])
+        result["checkpointing"][f"activation_peak_mb_ckpt_{ckpt}"] = peaks[long_seq] - peaks[64]
         print(f"checkpointing {ckpt}: {peaks}", flush=True)
     ck = result["checkpointing"]
     ck["cut"] = ck["activation_peak_mb_ckpt_False"] / ck["activation_peak_mb_ckpt_True"]
 
-    # Step time, ZeRO-3 with checkpointing, 2 ranks, micro 4 x 256 on the small Llama.
+
+def step(result: dict, work: Path, args: argparse.Namespace) -> None:
+    """Step time, ZeRO-3 with checkpointing, 2 ranks, micro 4 x 256 on the small Llama."""
     side_cfg = config(work, "step", work / "long", 256, 4, gradient_checkpointing=True)
     sides: dict[str, list[float]] = {"wonderland": [], "plain": [], "plain_again": []}
     order = list(sides)
@@ -213,16 +249,6 @@ def main() -> None:
             a / p for a, p in zip(sides["plain_again"], sides["plain"])
         ),
     }
-
-    # Export peak vs model size.
-    result["export"] = {
-        name: export_peak(work / name, runs[name, 4], work / f"export_{name}")
-        for name in ("tiny", "big")
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "step"}, indent=2))
-    print(json.dumps({k: v for k, v in result["step"].items() if k != "sides_s"}, indent=2))
 
 
 def plain_step(config: Path, out: Path, steps: int, warm: int) -> float:
