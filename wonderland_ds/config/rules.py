@@ -2,11 +2,14 @@
 
 Precision and loss scaling, a missing or unknown optimizer or scheduler, scheduler parameters
 that contradict each other or stage 16's warmup, ZeRO stages without a universal-checkpoint
-path or with offload they cannot do, and the batch triangle with its gradient-accumulation
-floor for large data-parallel sizes.
+path or with offload they cannot do, the batch triangle with its gradient-accumulation
+floor for large data-parallel sizes, and ``wonderland.model``'s levers against what is
+installed and what DeepSpeed trains in.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from pydantic import ValidationError
 
@@ -20,9 +23,8 @@ from wonderland_ds.config.ds_models import (
     Scheduler,
 )
 from wonderland_ds.config.explain import did_you_mean, pydantic_findings
-from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.config.settings import HFModel, WonderlandSettings
 from wonderland_ds.core.findings import Finding
-from wonderland_ds.model.hf import lever_findings
 
 
 def engine_rules(
@@ -247,6 +249,41 @@ def scheduler_rules(
                 "make total_num_steps cover the warmup and the decay",
                 file,
                 "scheduler.params.total_num_steps",
+            )
+        )
+    return out
+
+
+def lever_findings(spec: HFModel, trains: str, file: str) -> list[Finding]:
+    """``wonderland.model``'s levers that cannot work here, or with DeepSpeed training in
+    ``trains`` (float32, bfloat16 or float16)."""
+    out = []
+    if (
+        spec.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        out.append(
+            Finding(
+                "model-attention",
+                "error",
+                "attn_implementation flash_attention_2 needs the flash-attn package, which is"
+                " not installed",
+                'pip install flash-attn (on a GPU host), or use "sdpa"',
+                file,
+                "wonderland.model.attn_implementation",
+            )
+        )
+    if spec.dtype != "float32" and spec.dtype != trains:
+        section = {"bfloat16": "bf16", "float16": "fp16"}[spec.dtype]
+        out.append(
+            Finding(
+                "model-dtype",
+                "error",
+                f"model.dtype {spec.dtype} but DeepSpeed trains in {trains}: the optimizer"
+                " would start from rounded weights",
+                f'use "dtype": "float32", or enable DeepSpeed\'s "{section}" section',
+                file,
+                "wonderland.model.dtype",
             )
         )
     return out

@@ -45,21 +45,10 @@ def device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def tied(model: torch.nn.Module) -> set[str]:
-    """Names of parameters that share storage with an earlier one (tied embeddings)."""
-    seen: dict[int, str] = {}
-    out = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            out.add(name)
-        seen.setdefault(id(p), name)
-    return out
-
-
 def load_into(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """``state`` into ``model``; refused when the names do not fit (tied copies aside)."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in tied(model)]
+    missing = [k for k in missing if k not in construct.tied(model)]
     if missing or unexpected:
         raise Refused(
             f"checkpoint does not fit the task's model: missing {missing[:3]},"

@@ -11,9 +11,9 @@ DeepSpeed keeps it whole on every rank anyway.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wonderland_ds.config.settings import HFModel
 from wonderland_ds.core.distributed import log
@@ -22,7 +22,17 @@ from wonderland_ds.core.findings import Refused
 if TYPE_CHECKING:
     from torch import nn
 
-    from wonderland_ds.data.tasks import Task
+
+class Buildable(Protocol):
+    """What :func:`build` needs of a task (``data.tasks.Task`` has it)."""
+
+    @property
+    def build_model(self) -> Callable[[], nn.Module]: ...
+    @property
+    def build_empty_model(self) -> Callable[[], nn.Module] | None: ...
+    @property
+    def hf_dir(self) -> str | None: ...
+
 
 #: transformers reads the ZeRO-3 config through a weak reference: it lives here, per process.
 _KEPT: list[Any] = []
@@ -61,7 +71,7 @@ def partitioned(ds_dict: dict[str, Any], hf: bool) -> Iterator[None]:
         yield
 
 
-def build(task: Task, ds_dict: dict[str, Any], empty: bool = False) -> nn.Module:
+def build(task: Buildable, ds_dict: dict[str, Any], empty: bool = False) -> nn.Module:
     """The task's model (``empty``: the one a checkpoint's weights are loaded into)."""
     make = (task.build_empty_model or task.build_model) if empty else task.build_model
     with partitioned(ds_dict, task.hf_dir is not None):
@@ -69,6 +79,17 @@ def build(task: Task, ds_dict: dict[str, Any], empty: bool = False) -> nn.Module
     if zero_stage(ds_dict) == 3:
         mark_leaf_modules(model)
     return model
+
+
+def tied(model: nn.Module) -> set[str]:
+    """Names of parameters that share storage with an earlier one (tied embeddings)."""
+    seen: dict[int, str] = {}
+    out = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.setdefault(id(p), name)
+    return out
 
 
 def moe_blocks(model: nn.Module) -> list[type]:

@@ -35,7 +35,7 @@ def meta_model(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
 
 def wanted(model: torch.nn.Module) -> list[tuple[str, torch.Size]]:
     """The state-dict entries to export, in order, tied copies once (the first name kept)."""
-    from wonderland_ds.eval.weights import tied
+    from wonderland_ds.model.construct import tied
 
     skip = tied(model)
     return [(n, t.shape) for n, t in model.state_dict().items() if n not in skip]

@@ -1,11 +1,9 @@
 """A Hugging Face model directory as the front process reads it: ``config.json``, the weights
-it holds, the tokenizer files stage 18 copies, and the levers of ``wonderland.model`` checked
-against what is installed and what DeepSpeed trains in. No torch or ``transformers`` import.
+it holds and the tokenizer files stage 18 copies. No torch or ``transformers`` import.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -103,38 +101,3 @@ MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "jamba", "g
 def is_moe(config: dict[str, Any]) -> bool:
     """A mixture-of-experts config whose model trains a router aux loss."""
     return "output_router_logits" in config or config.get("model_type") in MOE_TYPES
-
-
-def lever_findings(spec: HFModel, trains: str, file: str) -> list[Finding]:
-    """``wonderland.model``'s levers that cannot work here, or with DeepSpeed training in
-    ``trains`` (float32, bfloat16 or float16)."""
-    out = []
-    if (
-        spec.attn_implementation == "flash_attention_2"
-        and importlib.util.find_spec("flash_attn") is None
-    ):
-        out.append(
-            Finding(
-                "model-attention",
-                "error",
-                "attn_implementation flash_attention_2 needs the flash-attn package, which is"
-                " not installed",
-                'pip install flash-attn (on a GPU host), or use "sdpa"',
-                file,
-                "wonderland.model.attn_implementation",
-            )
-        )
-    if spec.dtype != "float32" and spec.dtype != trains:
-        section = {"bfloat16": "bf16", "float16": "fp16"}[spec.dtype]
-        out.append(
-            Finding(
-                "model-dtype",
-                "error",
-                f"model.dtype {spec.dtype} but DeepSpeed trains in {trains}: the optimizer"
-                " would start from rounded weights",
-                f'use "dtype": "float32", or enable DeepSpeed\'s "{section}" section',
-                file,
-                "wonderland.model.dtype",
-            )
-        )
-    return out
