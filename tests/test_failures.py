@@ -49,3 +49,50 @@ def test_a_killed_rank_is_named_first_in_the_summary_and_run_json(stage15_fp32, 
     entry = json.loads((run / "run.json").read_text())["stages"]["16"]
     assert entry["status"] == "failed" and entry["failed_rank"] == 1
     assert "died without reporting an error" in entry["error"]
+
+
+def test_a_rank_that_fails_starting_its_process_group_is_named(tmp_path, monkeypatch):
+    """An error before the stage's own record (here the process group's start) still leaves
+    the rank's record, so the front names it rather than guessing at the port."""
+    from wonderland_ds import train
+    from wonderland_ds.core import distributed
+
+    def broken(timeout_s: int) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(distributed, "init", broken)
+    monkeypatch.setattr(failures, "_RECORDED", [])
+    monkeypatch.setenv("RANK", "1")
+    run = tmp_path / "run"
+    argv = ["--stage", "15", "--config", TINY32, "--run-dir", str(run)]
+    since = time.time() - 1
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        train.main(argv)
+    (got,) = failures.read(run / "stage15", since)
+    assert got.rank == 1 and got.error == "RuntimeError: CUDA error: invalid device ordinal"
+    first = failures.first_failure(run / "stage15", since, [], run / "stage15" / "logs")
+    assert first is not None and first.summary.startswith(f"rank 1 on {got.host} failed first")
+
+
+def test_a_port_left_in_time_wait_is_free_and_a_listened_one_is_not():
+    """torch's TCPStore binds with SO_REUSEADDR: connections of a launch that just ended,
+    lingering in TIME_WAIT, do not make its port taken."""
+    from wonderland_ds.launch import command
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert not command.port_free(port)  # listened on
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server's side closes first: its end of the connection is in TIME_WAIT
+    client.close()
+    server.close()
+    time.sleep(0.1)
+    plain = socket.socket()
+    with pytest.raises(OSError):  # the TIME_WAIT really is there: a plain bind is refused
+        plain.bind(("", port))
+    plain.close()
+    assert command.port_free(port)

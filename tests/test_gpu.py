@@ -219,7 +219,7 @@ def test_device_checks_script_runs_on_this_machine(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_stage17_evaluates_on_the_gpu_in_the_training_dtype(stage15_fp32):
+def test_stage17_evaluates_on_the_gpu_in_the_training_dtype(tmp_path):
     """A ZeRO-2 checkpoint's module on the accelerator in bf16: the predictions of the CPU's
     fp32 reference, up to bf16 rounding (a sample or two of the 367)."""
     import numpy as np
@@ -228,7 +228,11 @@ def test_stage17_evaluates_on_the_gpu_in_the_training_dtype(stage15_fp32):
     from wonderland_ds.data import builtin
     from wonderland_ds.eval import evaluate, weights
 
-    tag = stage15_fp32 / "stage15" / "checkpoints" / "global_step40"
+    run = tmp_path / "run"  # one rank per GPU: the shared 2-rank fixture needs 2 GPUs here
+    args = ["train", "--stage", "15", "--config", TINY32, "--run-dir", str(run)]
+    r = wonderland(*args, "--nproc", str(gpus()), timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    tag = run / "stage15" / "checkpoints" / "global_step40"
     task = builtin.load("digits").materialize()
     with weights.eval_model(task, tag, {"bf16": {"enabled": True}}) as model:
         p = next(model.parameters())

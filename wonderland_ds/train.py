@@ -95,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_main():
             render(exc.findings, False, sys.stderr)
         return EXIT_GUARD
+    except BaseException as exc:
+        # Failed before the stage's own record (the process group, the first collectives):
+        # the front still names this rank and its error.
+        from wonderland_ds.run import failures
+
+        if args.run_dir and rank_now is not None and not failures.recorded():
+            failures.record(Path(args.run_dir) / f"stage{args.stage}", rank_now, exc)
+        raise
     finally:
         startup.release(collect=False)  # a stage refused before its first step: on again
         dist.teardown(agreed)

@@ -37,8 +37,10 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
-    """Whether ``port`` can be bound for listening on this host now."""
+    """Whether ``port`` can be bound for listening on this host now. With SO_REUSEADDR, as
+    torch's TCPStore binds: a port whose last connections linger in TIME_WAIT is free."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:

@@ -71,8 +71,17 @@ def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = No
         folder = stage_dir / FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / f"rank{rank}.json", body.model_dump_json())
+        _RECORDED[:] = [True]
     except OSError:
         pass  # a full disk must not hide the failure itself
+
+
+#: Whether this process wrote its failure record (the rank entry's last resort writes one).
+_RECORDED: list[bool] = []
+
+
+def recorded() -> bool:
+    return bool(_RECORDED)
 
 
 def read(stage_dir: Path, since: float) -> list[FailureRecord]:
