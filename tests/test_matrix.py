@@ -2,8 +2,9 @@
 offline, each through stage 15 (1 rank) -> 16 (resumed on 2 ranks) -> 17 -> 18 under ZeRO-2
 and ZeRO-3. The export reloads with ``from_pretrained``, scores stage 17's held-out loss and
 keeps tied weights tied; a MoE model logs its router loss. Run with ``pytest -m matrix``
-(about 40 minutes on 2 cores); the default suite's fast subset is ``tests/test_model_room.py``
-(partitioned construction, levers, MoE routing, the export) and the causal-LM example."""
+(about 26 minutes on 2 cores; ``.ci/run`` runs it); the default suite's fast subset is
+``tests/test_model_room.py`` (partitioned construction, levers, MoE routing, the export) and
+the causal-LM example."""
 
 from __future__ import annotations
 
