@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import time
 
@@ -66,8 +67,13 @@ def test_a_rank_that_fails_starting_its_process_group_is_named(tmp_path, monkeyp
     run = tmp_path / "run"
     argv = ["--stage", "15", "--config", TINY32, "--run-dir", str(run)]
     since = time.time() - 1
-    with pytest.raises(RuntimeError, match="invalid device ordinal"):
-        train.main(argv)
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            train.main(argv)
+    finally:  # the rank entry installs its stop signals for the process: not for the suite's
+        for s, handler in kept.items():
+            signal.signal(s, handler)
     (got,) = failures.read(run / "stage15", since)
     assert got.rank == 1 and got.error == "RuntimeError: CUDA error: invalid device ordinal"
     first = failures.first_failure(run / "stage15", since, [], run / "stage15" / "logs")
