@@ -117,14 +117,13 @@ import json, sys, time
 t0 = time.perf_counter()
 from wonderland_ds.config import ds_config
 from wonderland_ds.data import lm
+from wonderland_ds.core.process import status_mb
 raw, _ = ds_config.load_json(sys.argv[1])
 _, settings, _ = ds_config.validate(raw, sys.argv[1])
 task = lm.load_task(settings.task, settings).materialize()
 took = time.perf_counter() - t0
 print(json.dumps({"seconds": took, "samples": len(task.train), "fingerprint": task.fingerprint,
-                  # VmHWM, not ru_maxrss: that one carries over the parent's across exec.
-                  "max_rss_mb": next(int(line.split()[1]) / 1024 for line in open("/proc/self/status")
-                                     if line.startswith("VmHWM:"))}))
+                  "max_rss_mb": status_mb("VmHWM")}))
 """
 
 

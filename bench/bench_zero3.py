@@ -119,18 +119,14 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from wonderland_ds.core.process import status_mb
 from wonderland_ds.model import export
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
 hf, tag, out = sys.argv[1:4]
 cfg = AutoConfig.from_pretrained(hf)
-before = status("VmRSS:")
+before = status_mb("VmRSS")
 export.export_weights(lambda: AutoModelForCausalLM.from_config(cfg), Path(tag), Path(out),
                       torch.float32, 100 << 20)
-# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec.
-peak = status("VmHWM:")
+peak = status_mb("VmHWM")
 files = sum(p.stat().st_size for p in Path(out).glob("*.safetensors"))
 print(json.dumps({"rss_before_mb": before, "peak_mb": peak, "export_bytes": files}))
 """

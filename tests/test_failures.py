@@ -62,7 +62,7 @@ def test_a_rank_that_fails_starting_its_process_group_is_named(tmp_path, monkeyp
         raise RuntimeError("CUDA error: invalid device ordinal")
 
     monkeypatch.setattr(distributed, "init", broken)
-    monkeypatch.setattr(failures, "_RECORDED", [])
+    monkeypatch.setattr(failures, "_recorded", False)
     monkeypatch.setenv("RANK", "1")
     run = tmp_path / "run"
     argv = ["--stage", "15", "--config", TINY32, "--run-dir", str(run)]

@@ -19,14 +19,12 @@ import deepspeed
 import torch
 
 from wonderland_ds.config.settings import HFModel
+from wonderland_ds.core.process import status_mb
 from wonderland_ds.model import construct
 
 
 def anon_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1])
-    return 0
+    return int(1024 * (status_mb("RssAnon") or 0))
 
 
 class Peak(threading.Thread):

@@ -54,9 +54,13 @@ def consequence(text: str) -> bool:
     return any(c in low for c in CONSEQUENCES)
 
 
+_recorded = False
+
+
 def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = None) -> None:
     """This rank failed with ``exc`` (``text``: a better explanation of it, such as which rank
     a timeout waited for): write its record (never raises)."""
+    global _recorded
     first = (str(exc).strip().splitlines() or [""])[0][:400]
     error = text or (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
     body = FailureRecord(
@@ -71,17 +75,14 @@ def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = No
         folder = stage_dir / FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write_text(folder / f"rank{rank}.json", body.model_dump_json())
-        _RECORDED[:] = [True]
+        _recorded = True
     except OSError:
         pass  # a full disk must not hide the failure itself
 
 
-#: Whether this process wrote its failure record (the rank entry's last resort writes one).
-_RECORDED: list[bool] = []
-
-
 def recorded() -> bool:
-    return bool(_RECORDED)
+    """Whether this process wrote its record (else the rank entry's last resort writes one)."""
+    return _recorded
 
 
 def read(stage_dir: Path, since: float) -> list[FailureRecord]:

@@ -18,6 +18,7 @@ import torch
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.findings import Stopped
+from wonderland_ds.core.process import peak_rss_mb
 from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
 from wonderland_ds.data.sampler import GlobalSampler, Prefetcher
@@ -60,18 +61,6 @@ def _seed_micro(seed: int, device: Any) -> None:
     torch.default_generator.manual_seed(seed)
     if getattr(device, "type", str(device)) == "cuda":
         torch.cuda.manual_seed(seed)
-
-
-def _peak_rss_mb() -> float | None:
-    """This process's peak resident memory (Linux VmHWM), in MB; None elsewhere."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
 
 
 def _state_bytes(module: torch.nn.Module, world: int) -> int:
@@ -290,7 +279,7 @@ class Trainer:
 
     def _result(self, elapsed: float) -> dict[str, Any]:
         checks, step = self.checks, int(self.engine.global_steps)
-        peak_rss = dist.gather_all(_peak_rss_mb())  # host memory per rank, for the record
+        peak_rss = dist.gather_all(peak_rss_mb())  # host memory per rank, for the record
         return {
             "steps": step - self.first,
             "peak_rss_mb": peak_rss,
