@@ -283,7 +283,7 @@ def test_sharded_evaluation_equals_the_single_process_numbers(healthy, broken):
 def test_lm_metrics_per_source_and_gate():
     import math
 
-    from wonderland_ds.eval.lm_eval import lm_gate, lm_metrics
+    from wonderland_ds.eval.lm_loss import lm_gate, lm_metrics
 
     totals = {"os": (128 * 5.0, 256), "json": (128 * 4.0, 128)}  # (summed loss, tokens)
     m = lm_metrics(totals)

@@ -19,7 +19,7 @@ from wonderland_ds.core import distributed as dist
 from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import Finding, GuardStop
 from wonderland_ds.data.tasks import Split, Task
-from wonderland_ds.eval.lm_eval import run_eval_lm
+from wonderland_ds.eval.lm_loss import run_eval_lm
 from wonderland_ds.eval.plots import label
 from wonderland_ds.eval.sweep import (
     baseline,
