@@ -33,7 +33,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             # stdout is the report, --json's too.
             with contextlib.redirect_stdout(sys.stderr):
                 task = _task_findings(path, args.task)
-                findings += task
+                findings += task + _eval_findings(path, world)
                 if not has_errors(task):  # the estimate needs a model that loads
                     findings += _memory_findings(path, world, hf)
             if hf is not None and hf.localhost_only:  # the stage would run on this CPU
@@ -72,6 +72,19 @@ def _task_findings(path: str, spec: str | None) -> list[Finding]:
     assert settings is not None
     micro = raw.get("train_micro_batch_size_per_gpu")
     return check_task(spec, settings, micro if isinstance(micro, int) and micro > 0 else 1, path)
+
+
+def _eval_findings(path: str, world: int | None) -> list[Finding]:
+    """Stage 17's lm-eval tasks (eval/task_check.py), when the config names any."""
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.eval.task_check import settings_findings
+
+    raw, _ = ds_config.load_json(path)
+    assert raw is not None
+    _, settings, _ = ds_config.validate(raw, path)
+    if settings is None or not settings.eval.tasks:
+        return []
+    return settings_findings(settings, world or 1, path)
 
 
 def _memory_findings(path: str, world: int | None, hf: Any) -> list[Finding]:

@@ -26,12 +26,28 @@ def cmd_pipeline(args: argparse.Namespace) -> int:
     if args.to < args.from_:
         raise Refused(f"--to {args.to} is before --from {args.from_}", "use --from <= --to")
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    if args.from_ <= 17 <= args.to:
+        _check_eval_tasks(args.config)
     with Supervisor() as sup:
         rc, last = _stages(args, run_dir, sup)
         if last is not None:
             rc = after_stop(last, rc, sup, run_dir)
     print(run_dir.resolve())
     return rc
+
+
+def _check_eval_tasks(config: str) -> None:
+    """Stage 17's lm-eval tasks before stage 15 starts: a broken task is refused now, not
+    after hours of training (stage 17 checks them again on its own world size)."""
+    from wonderland_ds.core.findings import has_errors
+    from wonderland_ds.eval.task_check import settings_findings
+    from wonderland_ds.launch.stage import load_config
+
+    _, _, settings = load_config(config, 17, None)
+    if settings.eval.tasks:
+        found = settings_findings(settings, 1, config)
+        if has_errors(found):
+            raise Refused([f for f in found if f.severity == "error"])
 
 
 def _stages(

@@ -164,7 +164,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     data["stages"] = stage_views(run_dir, data)
     report = run_dir / "stage17" / "report.json"
     if report.exists():
-        data["gate"] = json.loads(report.read_text())["gate"]["verdict"]
+        body = json.loads(report.read_text())
+        data["gate"] = body["gate"]["verdict"]
+        if body.get("tasks"):
+            data["tasks"] = body["tasks"]
     if args.json:
         print(json.dumps(data, indent=2))
         return EXIT_OK
@@ -204,7 +207,22 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"           guard {guard}: {count} event(s)")
     if "gate" in data:
         print(f"  stage-17 gate: {data['gate']}")
+    for r in data.get("tasks") or []:
+        print(f"           {_task_line(r)}")
     return EXIT_OK
+
+
+def _task_line(r: dict[str, Any]) -> str:
+    """One downstream task's metric: stage 15 -> 16 with lm-eval's standard errors."""
+
+    def one(value: float, err: float | None) -> str:
+        return f"{value:.3f}" + (f"±{err:.3f}" if err is not None else "")
+
+    mark = "  FAIL" if r["failed"] else ""
+    return (
+        f"{r['task']} {r['metric']}: {one(r['stage15'], r['stage15_stderr'])} ->"
+        f" {one(r['stage16'], r['stage16_stderr'])} (p {r['p_holm']:.2g}){mark}"
+    )
 
 
 def add_parser(sub: Commands) -> None:

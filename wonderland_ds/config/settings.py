@@ -20,8 +20,9 @@ class _Strict(BaseModel):
     )
 
 
-class EvalGate(_Strict):
-    """Stage 17's gate: how much per-class recall may drop against stage 15's checkpoint."""
+class Evaluation(_Strict):
+    """Stage 17: what is scored besides the held-out loss, and the gate against stage 15's
+    checkpoint."""
 
     recall_drop_margin: float = Field(0.10, ge=0.0, le=1.0)
     """A class whose recall fell by more than this (absolute) since stage 15 fails the gate."""
@@ -30,6 +31,46 @@ class EvalGate(_Strict):
     lm_loss_rise: float = Field(0.10, ge=0.0)
     """Language models: a text source whose held-out loss rose by more than this fraction
     since stage 15 fails the gate."""
+    tasks: list[str] = Field(default_factory=list)
+    """Language models: lm-evaluation-harness task, group or tag names scored on both
+    checkpoints (``["hellaswag", "my_task"]``), by lm-eval itself: its prompts, filters,
+    metrics and aggregation. Needs ``pip install 'wonderland_ds[eval]'`` and a tokenizer in
+    the model directory."""
+    include_path: str | None = None
+    """A folder of your own lm-eval task YAML files (for local data: ``dataset_path: json``
+    with ``dataset_kwargs: {data_files: ...}``); their names join lm-eval's own."""
+    num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples per prompt (lm-eval's ``num_fewshot``); None: each task's own."""
+    limit: int | float | None = Field(None, gt=0)
+    """Score only the first N documents of each task, or this fraction when below 1.0
+    (lm-eval's ``limit``; for quick looks, not for gating)."""
+    batch_size: int = Field(8, ge=1)
+    """Requests per forward pass on each rank (lm-eval's ``batch_size``)."""
+    fewshot_seed: int = Field(1234, ge=0)
+    """Seed of the few-shot sampler (lm-eval's ``fewshot_random_seed``): both checkpoints see
+    the same examples."""
+    log_samples: bool = False
+    """Keep every document's prompt, response and metric in the results files
+    (lm-eval's ``log_samples``)."""
+    task_drop: float = Field(0.02, ge=0.0)
+    """A task's metric fails the gate when it got worse by more than this since stage 15:
+    in the metric's own units for metrics between 0 and 1 (accuracy, exact match: 0.02 is two
+    points), as a fraction of stage 15's value for the others (perplexity, bits per byte)."""
+    task_alpha: float = Field(0.05, gt=0.0, lt=1.0)
+    """...and when the fall is significant at this level, both checkpoints' answers on the
+    same documents compared paired (McNemar's exact test for right/wrong metrics, a paired
+    bootstrap otherwise), Holm-corrected over every task and metric judged: the chance that
+    noise alone fails a run stays below it."""
+
+    @field_validator("tasks")
+    @classmethod
+    def _named(cls, value: list[str]) -> list[str]:
+        blank = [t for t in value if not t.strip()]
+        if blank:
+            raise ValueError("an empty task name")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a task named twice: {sorted(value)}")
+        return value
 
 
 Policy = Literal["warn", "stop", "rollback"]
@@ -252,8 +293,8 @@ class WonderlandSettings(_Strict):
     """Seconds before the first restart; doubled for each further one, at most 300."""
     log_interval: int = Field(50, ge=1)
     """Print a progress line every this many steps on rank 0."""
-    eval: EvalGate = Field(default_factory=EvalGate)
-    """Stage 17's gate."""
+    eval: Evaluation = Field(default_factory=Evaluation)
+    """Stage 17: downstream tasks and the gate."""
     guards: Guards = Field(default_factory=Guards)
     """The health guards while a stage trains."""
     preemption: Preemption = Field(default_factory=Preemption)
@@ -277,6 +318,11 @@ class WonderlandSettings(_Strict):
         elif self.model is not None or self.data is not None:
             raise ValueError(
                 f"model and data configure the causal-lm task; task {self.task!r} brings its own"
+            )
+        if self.eval.tasks and self.task != "causal-lm":
+            raise ValueError(
+                f"eval.tasks scores a language model with lm-eval; task {self.task!r} is not"
+                " causal-lm"
             )
         return self
 

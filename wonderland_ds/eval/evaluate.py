@@ -26,11 +26,11 @@ from wonderland_ds.eval.sweep import (
     consolidated_state,
     gather_once,
     heldout,
+    record_gate_failure,
     run_holding,
     sweep,
 )
 from wonderland_ds.eval.weights import eval_model, load_into
-from wonderland_ds.run import manifest
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
@@ -225,17 +225,7 @@ def run_eval(opts: StageOptions, run_dir: Path, inputs: StageInputs, plan: Plan)
             f" gate {report['gate']['verdict']} ({out / 'report.md'})"
         )
         if failed:
-            # The deepspeed launcher kills every rank as soon as one exits non-zero: record the
-            # verdict before the barrier, so rank 0 is never killed with it unwritten.
-            manifest.update_stage(
-                run_dir,
-                opts.stage,
-                status="gate-failed",
-                finished=manifest.now(),
-                report=str(out / "report.json"),
-                gate="fail",
-                error="; ".join(f.message for f in failed)[:500],
-            )
+            record_gate_failure(run_dir, opts.stage, out / "report.json", failed)
     dist.barrier()
     if failed:
         raise GuardStop(failed)

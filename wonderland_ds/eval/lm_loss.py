@@ -1,26 +1,27 @@
 """Stage 17 for language models: loss and perplexity per held-out text source, gated on a
-source's loss rise since stage 15."""
+source's loss rise since stage 15, and the downstream tasks of ``wonderland.eval.tasks``
+(``lm_eval.py``) on the same model, gated per task (``task_gate.py``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
-from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import Finding, GuardStop
 from wonderland_ds.data.tasks import Split, Task
+from wonderland_ds.eval import lm_eval, task_gate
 from wonderland_ds.eval.sweep import (
     baseline,
     heldout,
+    record_gate_failure,
     run_holding,
 )
 from wonderland_ds.eval.weights import eval_model, passes
+from wonderland_ds.model import construct
 from wonderland_ds.run.inputs import StageInputs
 from wonderland_ds.run.preflight import Plan
 
@@ -125,57 +126,58 @@ def lm_gate(new: dict[str, Any], base: dict[str, Any], rise: float) -> list[Find
 def run_eval_lm(
     opts: StageOptions, run_dir: Path, inputs: StageInputs, plan: Plan
 ) -> dict[str, Any]:
+    from wonderland_ds.eval import lm_report
+
     task, settings = inputs.task, inputs.settings
+    spec = settings.eval
     assert plan.source is not None
     home = run_holding(plan.source) or run_dir
     base_dir = baseline(opts, home)
     sources = lm_sources(task)
-    result = {}
+    zero3 = construct.zero_stage(inputs.ds_dict) == 3
+    result: dict[str, Any] = {}
+    harness: dict[str, Any] = {}  # lm-eval's results, rank 0's (None on the others)
+    lockstep: dict[str, Any] = {}
     for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
         with eval_model(task, tag_dir, inputs.ds_dict) as model:
             totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
+            if spec.tasks:
+                assert task.hf_dir is not None  # the settings allow tasks for causal-lm only
+                harness[name], counts = lm_eval.score(model, task.hf_dir, spec, zero3)
+                if counts is not None:
+                    lockstep[name] = dist.gather_all(counts)
         result[name] = lm_metrics(totals)
-    verdict = lm_gate(result["stage16"], result["stage15"], settings.eval.lm_loss_rise)
+    verdict = lm_gate(result["stage16"], result["stage15"], spec.lm_loss_rise)
+    rows: list[task_gate.TaskRow] = []
+    if spec.tasks:
+        if dist.is_main():
+            rows = task_gate.judge(
+                harness["stage16"], harness["stage15"], spec.task_drop, spec.task_alpha
+            )
+        rows = dist.broadcast(rows)
+        verdict += task_gate.findings(rows, spec.task_drop, spec.task_alpha)
     failed = [f for f in verdict if f.severity == "error"]
     report: dict[str, Any] = {
         "checkpoint": str(plan.source),
         "baseline": str(base_dir),
         **result,
+        "tasks": [r.model_dump() for r in rows],
+        # ZeRO-3: each rank's own forward passes and the idle ones that paired its peers'.
+        "lockstep": lockstep,
         "gate": {
             "verdict": "fail" if failed else "pass",
-            "lm_loss_rise": settings.eval.lm_loss_rise,
+            "lm_loss_rise": spec.lm_loss_rise,
+            "task_drop": spec.task_drop,
+            "task_alpha": spec.task_alpha,
             "findings": [f.to_dict() for f in verdict],
         },
         "plots": [],
     }
     out = Path(opts.out) if opts.out else run_dir / "stage17"
     if dist.is_main():
-        out.mkdir(parents=True, exist_ok=True)
-        lines = [
-            "# Stage 17: language-model sweep",
-            "",
-            f"Gate: **{report['gate']['verdict']}**",
-            "",
-            "| source | tokens | loss (15) | loss (16) | perplexity (16) |",
-            "|---|---|---|---|---|",
-        ]
-        old = {r["source"]: r for r in result["stage15"]["per_source"]}
-        for r in result["stage16"]["per_source"]:
-            lines.append(
-                f"| {r['source']} | {r['tokens']} | {old[r['source']]['loss']:.4f} |"
-                f" {r['loss']:.4f} | {r['perplexity']:.2f} |"
-            )
-        from wonderland_ds.eval.plots import lm_source_plot
-
-        report["plots"] = lm_source_plot(out, report)
-        lines += ["", *[f"![{name}]({name})" for name in report["plots"]]]
-        ck.atomic_write_text(out / "report.json", json.dumps(report, indent=2))
-        ck.atomic_write_text(out / "report.md", "\n".join(lines) + "\n")
-        log(
-            f"stage 17 summary: loss {result['stage15']['loss']:.4f} ->"
-            f" {result['stage16']['loss']:.4f}, perplexity {result['stage16']['perplexity']:.2f}"
-            f" over {len(old)} text sources; gate {report['gate']['verdict']}"
-        )
+        lm_report.write(out, report, harness, spec.log_samples)
+        if failed:
+            record_gate_failure(run_dir, opts.stage, out / "report.json", failed)
     dist.barrier()
     if failed:
         raise GuardStop(failed)

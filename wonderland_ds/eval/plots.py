@@ -6,6 +6,7 @@
   true class (so a 5-sample minority row is as visible as a 45-sample one), counts written in.
 * ``training_curves.png``: loss and LR against the global step for stages 15 and 16, read
   from their ``metrics.csv`` (left out when neither exists).
+* Language models: ``loss_per_source.png`` and, with downstream tasks, ``tasks.png``.
 """
 
 from __future__ import annotations
@@ -188,3 +189,46 @@ def lm_source_plot(out: Path, report: dict[str, Any]) -> list[str]:
     fig.savefig(out / "loss_per_source.png", dpi=100)
     plt.close(fig)
     return ["loss_per_source.png"]
+
+
+def task_plot(out: Path, report: dict[str, Any]) -> list[str]:
+    """``tasks.png``: each downstream task's metric, stage 15 beside stage 16, with lm-eval's
+    standard errors as error bars; failed metrics marked. Metrics between 0 and 1 on the left
+    axis, unbounded ones (perplexities) in a panel of their own."""
+    plt = _pyplot()
+    rows = report["tasks"]
+    panels = [
+        p for p in ([r for r in rows if r["bounded"]], [r for r in rows if not r["bounded"]]) if p
+    ]
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(max(5.0, 1.1 * len(rows) + 3), 3.8),
+        squeeze=False,
+        gridspec_kw={"width_ratios": [len(p) for p in panels]},
+    )
+    for ax, part in zip(axes[0], panels):
+        xs = range(len(part))
+        for shift, key, stage in ((-0.2, "stage15", 15), (0.2, "stage16", 16)):
+            errs = [r[f"{key}_stderr"] or 0.0 for r in part]
+            ax.bar(
+                [x + shift for x in xs],
+                [r[key] for r in part],
+                0.4,
+                yerr=errs,
+                capsize=3,
+                color=COLORS[stage],
+                label=f"stage {stage} ({label(report['baseline' if stage == 15 else 'checkpoint'])})",
+            )
+        names = [f"{r['task']}\n{r['metric']}" + ("\nFAIL" if r["failed"] else "") for r in part]
+        ax.set_xticks(list(xs), names, fontsize=7)
+        for tick, r in zip(ax.get_xticklabels(), part):
+            if r["failed"]:
+                tick.set_color(MINORITY)
+        ax.set_ylabel("score (0 to 1)" if part[0]["bounded"] else "value")
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Stage 17: downstream tasks (error bars: lm-eval's standard error)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "tasks.png", dpi=100)
+    plt.close(fig)
+    return ["tasks.png"]

@@ -13,7 +13,7 @@ import torch
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.checkpoint.describe import resolve_tag_dir
 from wonderland_ds.core import distributed as dist
-from wonderland_ds.core.findings import Refused
+from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data.tasks import Split, Task
 from wonderland_ds.run import manifest
 from wonderland_ds.run.resume_source import stage_ckpt_root
@@ -108,3 +108,17 @@ def baseline(opts: StageOptions, home: Path) -> Path:
     if not v.complete:
         raise Refused(v.findings)
     return v.tag_dir
+
+
+def record_gate_failure(run_dir: Path, stage: int, report: Path, failed: list[Finding]) -> None:
+    """Rank 0, before the stage's last barrier: the gate's verdict in run.json. The deepspeed
+    launcher kills every rank as soon as one exits non-zero, so it must not wait for the exit."""
+    manifest.update_stage(
+        run_dir,
+        stage,
+        status="gate-failed",
+        finished=manifest.now(),
+        report=str(report),
+        gate="fail",
+        error="; ".join(f.message for f in failed)[:500],
+    )

@@ -192,6 +192,10 @@ def plan_stage(
             else Finding(f.rule, "warn", f.message, f.fix, f.file, f.path)
             for f in plan.findings
         ]
+    if st.kind == "eval" and settings.eval.tasks:
+        from wonderland_ds.eval.task_check import settings_findings
+
+        plan.findings += settings_findings(settings, world, str(opts.config))
     if has_errors(plan.findings):
         raise Refused([f for f in plan.findings if f.severity == "error"])
     if (
