@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,59 @@ def pytest_collection_modifyitems(config, items) -> None:
     if reason is not None:
         for item in marked:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+#: Families whose skip in CI would hide that they never ran.
+CI_FAMILIES = ("slurm", "matrix", "multinode")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def ci_failure(node: Any, reason: str) -> str | None:
+    """Why a skip fails under CI=true (None: an honest skip). A marked family that did not run,
+    a test whose dependency would not import (``importorskip``), a GPU test on a host with an
+    NVIDIA device that torch cannot use: each is a broken setup there, not a pass."""
+    if not in_ci():
+        return None
+    marks = {m.name for m in node.iter_markers()}
+    family = next((f for f in CI_FAMILIES if f in marks), None)
+    if family is not None:
+        return f"the {family} family was skipped in CI: {reason}"
+    if reason.startswith("could not import"):
+        return f"a dependency did not import in CI: {reason}"
+    if "gpu" in marks and Path("/dev/nvidia0").exists():
+        return f"an NVIDIA device is here but the gpu test was skipped: {reason}"
+    return None
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped:
+        why = ci_failure(item, _skip_reason(report))
+        if why is not None:
+            report.outcome, report.longrepr = "failed", why
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A module skipped at import (``importorskip`` at its top) fails too, under CI=true."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped:
+        why = ci_failure(collector, _skip_reason(report))
+        if why is not None:
+            report.outcome, report.longrepr = "failed", why
 
 
 @pytest.fixture(scope="session", autouse=True)
