@@ -79,7 +79,7 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
     run, test = commands
     assert run.startswith("python3 -m venv .venv") and "wonderland pipeline" in run
     assert "pytest" in test
-    ci = _text(REPO / ".ci" / "run").splitlines()
+    ci = [line.strip() for line in _text(REPO / ".ci" / "run").splitlines()]
     assert test in ci, ".ci/run must run the README's test command verbatim"
 
 
