@@ -4,6 +4,7 @@ source's loss rise since stage 15, and the downstream tasks of ``wonderland.eval
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -138,12 +139,15 @@ def run_eval_lm(
     result: dict[str, Any] = {}
     harness: dict[str, Any] = {}  # lm-eval's results, rank 0's (None on the others)
     lockstep: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
     for name, tag_dir in (("stage16", plan.source), ("stage15", base_dir)):
         with eval_model(task, tag_dir, inputs.ds_dict) as model:
             totals = {src: lm_source_losses(task, model, data) for src, data in sources.items()}
             if spec.tasks:
                 assert task.hf_dir is not None  # the settings allow tasks for causal-lm only
+                t0 = time.perf_counter()
                 harness[name], counts = lm_eval.score(model, task.hf_dir, spec, zero3)
+                seconds[name] = round(time.perf_counter() - t0, 3)
                 if counts is not None:
                     lockstep[name] = dist.gather_all(counts)
         result[name] = lm_metrics(totals)
@@ -164,6 +168,7 @@ def run_eval_lm(
         "tasks": [r.model_dump() for r in rows],
         # ZeRO-3: each rank's own forward passes and the idle ones that paired its peers'.
         "lockstep": lockstep,
+        "lm_eval_seconds": seconds,  # rank 0's wall time in lm-eval, per checkpoint
         "gate": {
             "verdict": "fail" if failed else "pass",
             "lm_loss_rise": spec.lm_loss_rise,

@@ -236,7 +236,7 @@ def findings(rows: list[TaskRow], task_drop: float, alpha: float) -> list[Findin
             describe(r),
             "inspect stage 16's data mix and LR against this task; re-run stage 16 from stage 15",
             "",
-            r.task,
+            "wonderland.eval.tasks",
         )
         for r in rows
         if r.failed
