@@ -179,3 +179,20 @@ def test_reshard_bench_one_tiny_repetition(tmp_path):
     assert s["universal_folders"] == 0 and s["bytes_read_per_rank_max"] == s["share_bytes_per_rank"]
     assert all(r["resume"]["load"] == "resharded" for r in got["runs"]["resharded"])
     assert s["ratio_median"] > 0 and s["cold_read_vs_disk_read_paired_median"] > 0
+
+
+@pytest.mark.nightly  # six launches and two lm-eval runs: about 2 minutes
+def test_lm_eval_bench_quick(tmp_path):
+    out = tmp_path / "r.json"
+    got = run_bench(
+        [sys.executable, "bench/bench_lm_eval.py", "--quick", "--out", str(out)], out, 900
+    )
+    rates = got["requests_per_s"]
+    assert rates["wonderland_2_ranks_zero3"] > 0 and rates["lm_eval_hf_export"] > 0
+    assert (
+        got["requests_per_s_ratio"]
+        == rates["wonderland_2_ranks_zero3"] / rates["lm_eval_hf_export"]
+    )
+    whole = got["whole_s"]
+    assert whole["stage17_both_checkpoints"] > 0 and whole["export_and_lm_eval_both"] > 0
+    assert len(got["samples"]["rates"]["wonderland"]) == 2  # both checkpoints timed

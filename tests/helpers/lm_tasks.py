@@ -1,6 +1,6 @@
 """A language model that learns facts, and lm-eval tasks that ask for them, all written here.
 
-Sixteen made-up names each have a colour ("the color of alba is gold ."). The training corpus
+Made-up names (sixteen in the tests, up to 528 in the benchmark) each have a colour ("the color of alba is gold ."). The training corpus
 repeats the true facts; the "unlearning" corpus states every name with the next colour, so a
 stage 16 trained on it forgets the task. The model is a tiny Llama with a word-level tokenizer
 saved beside it; the lm-eval tasks are YAML files over one jsonl file:
@@ -25,6 +25,7 @@ import numpy as np
 from tests.helpers.util import REPO
 
 NAMES = "alba brin cato dara eno fia gus hale iva jon kip lumo mira nox oda pim".split()
+NAMES += [f"{a}{b}" for a in ("ka", "lo", "mu", "ri", "se", "to", "vi", "ze") for b in range(64)]
 COLORS = ["red", "blue", "green", "gold"]
 TRUTH = {n: COLORS[(i * 7 + i // 4) % 4] for i, n in enumerate(NAMES)}
 SHIFTED = {n: COLORS[(COLORS.index(c) + 1) % 4] for n, c in TRUTH.items()}
@@ -93,7 +94,7 @@ def tokenizer(folder: Path):
     return fast
 
 
-def model_dir(folder: Path, with_tokenizer: bool = True) -> Path:
+def model_dir(folder: Path, with_tokenizer: bool = True, hidden: int = 64, layers: int = 2) -> Path:
     from transformers import LlamaConfig
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -101,9 +102,9 @@ def model_dir(folder: Path, with_tokenizer: bool = True) -> Path:
         tokenizer(folder)
     LlamaConfig(
         vocab_size=len(WORDS),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=64,
@@ -200,11 +201,15 @@ def config(
     return path
 
 
-def setup(tmp: Path, tasks: list[str], **kw) -> Path:
-    """Model, corpora, tasks and the config in ``tmp``; returns the config."""
-    model_dir(tmp / "model")
-    corpus(tmp / "train.bin", TRUTH, 120, 1)
-    corpus(tmp / "unlearn.bin", SHIFTED, 120, 2)
-    corpus(tmp / "held.bin", TRUTH, 4, 3)
-    task_folder(tmp / "tasks")
+def setup(
+    tmp: Path, tasks: list[str], docs: int = 16, hidden: int = 64, layers: int = 2, **kw
+) -> Path:
+    """Model, corpora, tasks about the first ``docs`` names and the config in ``tmp``;
+    returns the config."""
+    model_dir(tmp / "model", hidden=hidden, layers=layers)
+    names = NAMES[:docs]
+    corpus(tmp / "train.bin", {n: TRUTH[n] for n in names}, 120, 1)
+    corpus(tmp / "unlearn.bin", {n: SHIFTED[n] for n in names}, 120, 2)
+    corpus(tmp / "held.bin", {n: TRUTH[n] for n in names}, 4, 3)
+    task_folder(tmp / "tasks", docs)
     return config(tmp, tasks, **kw)
