@@ -113,7 +113,7 @@ def test_the_check_finds_an_id_and_a_changed_file(tmp_path):
 
     path = tmp_path / "t.bin"
     np.arange(1000, dtype=np.uint16).astype(np.uint16).tofile(path)
-    data = TokenData(open_files([path], "uint16", "w"), "uint16", 10)
+    data = TokenData(open_files([path], "uint16", "w"), 10)
     data.vocab = 1000
     assert data.check(np.arange(len(data))) is None
     data.vocab = 500  # ids 500..999 are out of range now

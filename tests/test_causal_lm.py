@@ -133,7 +133,7 @@ def test_config_sections_are_validated(capsys, setup):
     for change, text in (
         (lambda w: w.pop("model"), "needs model"),
         (lambda w: w.update(task="digits"), "configure the causal-lm task"),
-        (lambda w: w["data"].update(dtype="int64"), "dtype"),
+        (lambda w: w["data"].update(dtype="float32"), "dtype"),
         (lambda w: w["data"].update(seq_lenn=4), "seq_lenn"),
     ):
         rc = cli.main(["check", str(edit(change))])

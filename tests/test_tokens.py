@@ -25,7 +25,7 @@ def write(path, tokens, dtype=np.uint16):
 
 
 def data(paths, seq_len=4, pad_tail=False, dtype="uint16"):
-    return TokenData(open_files(list(paths), dtype, "test"), dtype, seq_len, pad_tail)
+    return TokenData(open_files(list(paths), dtype, "test"), seq_len, pad_tail)
 
 
 def test_windows_stay_inside_their_file_and_are_int64(tmp_path):

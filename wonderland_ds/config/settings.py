@@ -202,16 +202,18 @@ class HFModel(_Strict):
 
 
 class TokenFiles(_Strict):
-    """The causal-LM task's data: flat token files (raw little-endian tokens, as nanoGPT and
-    Megatron write them), read in place."""
+    """The causal-LM task's data, read in place: flat token files (raw little-endian tokens,
+    as nanoGPT and OLMo-core write them) or Megatron's indexed files (``PREFIX.bin`` with its
+    ``PREFIX.idx``; a list entry may be the prefix)."""
 
     train: list[str] = Field(min_length=1)
     """Training token files or globs, in order (a glob's matches sorted)."""
     heldout: dict[str, list[str]] = Field(min_length=1)
     """Stage 17's held-out sets: source name -> token files or globs; each source gets its own
     loss, perplexity and gate."""
-    dtype: Literal["uint16", "uint32", "int32"] = "uint16"
-    """The tokens' type: uint16 for vocabularies under 65,536, else uint32 or int32."""
+    dtype: Literal["uint8", "int8", "int16", "uint16", "int32", "uint32", "int64"] | None = None
+    """The flat files' token type (default uint16; uint32 or int32 for vocabularies of 65,536
+    or more). An indexed file's comes from its index: given, it must agree."""
     seq_len: int = Field(ge=2)
     """Tokens per sample (at most the model's positions)."""
 

@@ -1,4 +1,4 @@
-"""The ``causal-lm`` task: a Hugging Face causal LM on flat token files, set in JSON.
+"""The ``causal-lm`` task: a Hugging Face causal LM on token files, set in JSON.
 
 ``"wonderland": {"task": "causal-lm", "model": {"hf": DIR}, "data": {...}}``. The model is
 built by the model room (``wonderland_ds.model``); the data are token files read in place
@@ -23,9 +23,7 @@ NAME = "causal-lm"
 
 
 def _data(data: TokenFiles, patterns: list[str], where: str, pad_tail: bool) -> TokenData:
-    out = TokenData(
-        open_files(expand(patterns, where), data.dtype, where), data.dtype, data.seq_len, pad_tail
-    )
+    out = TokenData(open_files(expand(patterns, where), data.dtype, where), data.seq_len, pad_tail)
     if len(out) == 0:
         raise Refused(
             Finding(

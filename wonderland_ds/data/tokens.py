@@ -1,5 +1,7 @@
-"""Flat token files read where they lie: raw little-endian tokens, as nanoGPT and Megatron
-write them (``.bin``; uint16 for vocabularies under 65,536, else uint32 or int32).
+"""Token files read where they lie: flat files of raw little-endian tokens, as nanoGPT and
+OLMo-core write them (uint16 for vocabularies under 65,536, else uint32 or int32), and
+Megatron's indexed files (``PREFIX.bin`` with ``PREFIX.idx`` beside it: ``indexed.py``),
+whose dtype and token count come from the index.
 
 Each file is memory-mapped; nothing is copied, cached or joined. A sample is a window of
 ``seq_len`` consecutive tokens inside one file (windows never cross files); sample ``i`` of a
@@ -29,8 +31,19 @@ from pathlib import Path
 import numpy as np
 
 from wonderland_ds.core.findings import Finding, Refused
+from wonderland_ds.data import indexed
 
-DTYPES: dict[str, type[np.integer]] = {"uint16": np.uint16, "uint32": np.uint32, "int32": np.int32}
+DTYPES: dict[str, type[np.integer]] = {
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "int16": np.int16,
+    "uint16": np.uint16,
+    "int32": np.int32,
+    "uint32": np.uint32,
+    "int64": np.int64,
+}
+FLAT_DTYPE = "uint16"
+"""A flat file's dtype when ``data.dtype`` is not given."""
 IGNORE = -100
 """The label of a padded position (PyTorch's and ``transformers``' ignore index)."""
 FINGERPRINT_BLOCKS = 16
@@ -42,15 +55,22 @@ CHANGED = (1 << 40) - 1
 
 def expand(patterns: list[str], where: str) -> list[Path]:
     """Files named by ``patterns`` (paths or globs), in the given order, each glob sorted.
-    A pattern that matches nothing is a refusal naming it."""
+    A Megatron prefix ``P`` (``P.bin`` and ``P.idx``) names ``P.bin``; a glob's ``.idx``
+    files beside their ``.bin`` are the index, not data. A pattern that matches nothing is a
+    refusal naming it."""
     files: list[Path] = []
     missing = []
     for pattern in patterns:
         if glob.has_magic(pattern):
             hits = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern)))
             hits = [p for p in hits if p.is_file()]
+            bins = set(hits)
+            hits = [p for p in hits if not (p.suffix == ".idx" and p.with_suffix(".bin") in bins)]
         else:
             p = Path(os.path.expanduser(pattern))
+            prefix = Path(str(p) + ".bin")
+            if not p.is_file() and prefix.is_file() and indexed.index_of(prefix).is_file():
+                p = prefix
             hits = [p] if p.is_file() else []
         if not hits:
             missing.append(pattern)
@@ -82,27 +102,53 @@ def _stat(path: Path) -> tuple[int, int, int]:
 class TokenFile:
     path: Path
     tokens: int
+    dtype: str = FLAT_DTYPE
+    index: Path | None = None
+    """The Megatron ``.idx`` this file is read through (None: a flat file)."""
 
 
-def open_files(paths: list[Path], dtype: str, where: str) -> list[TokenFile]:
-    """Each file's token count; a size that is not a whole number of tokens is refused."""
-    itemsize = np.dtype(DTYPES[dtype]).itemsize
+def open_files(paths: list[Path], dtype: str | None, where: str) -> list[TokenFile]:
+    """Each file's token count and dtype. A file with a ``.idx`` beside it is read through
+    the index, which is checked against the ``.bin`` and against ``dtype`` when one is given;
+    a flat file is of ``dtype`` (default uint16), and a size that is not a whole number of
+    its tokens is refused."""
     out, bad = [], []
     for path in paths:
+        idx = indexed.index_of(path)
+        if path.suffix == ".bin" and idx.is_file():
+            index = indexed.read_index(idx, where)
+            if dtype is not None and dtype != index.dtype:
+                bad.append(
+                    Finding(
+                        "data-dtype",
+                        "error",
+                        f"data.dtype is {dtype} but the index {idx} says its tokens are"
+                        f" {index.dtype}",
+                        "leave data.dtype out (an indexed file's dtype comes from its index),"
+                        " or set it to the index's",
+                        str(idx),
+                        "wonderland.data.dtype",
+                    )
+                )
+                continue
+            out.append(TokenFile(path, indexed.check_index(index, path, where), index.dtype, idx))
+            continue
+        flat = dtype or FLAT_DTYPE
+        itemsize = np.dtype(DTYPES[flat]).itemsize
         size = path.stat().st_size
         if size % itemsize:
             bad.append(
                 Finding(
                     "data-size",
                     "error",
-                    f"{path} has {size} bytes, not a multiple of {dtype}'s {itemsize}:"
+                    f"{path} has {size} bytes, not a multiple of {flat}'s {itemsize}:"
                     " not a flat file of this dtype (or truncated)",
-                    f"check data.dtype ({dtype}) against how the file was written",
+                    f"check data.dtype ({flat}) against how the file was written",
                     str(path),
                     where,
                 )
             )
-        out.append(TokenFile(path, size // itemsize))
+        out.append(TokenFile(path, size // itemsize, flat))
     if bad:
         raise Refused(bad)
     return out
@@ -114,10 +160,10 @@ class TokenData:
     ``pad_tail``: a file's last window shorter than ``seq_len`` (at least 2 tokens) is a
     sample too, padded with :data:`IGNORE` labels (held-out sets count every token)."""
 
-    def __init__(
-        self, files: list[TokenFile], dtype: str, seq_len: int, pad_tail: bool = False
-    ) -> None:
-        self.files, self.dtype, self.seq_len, self.pad_tail = files, dtype, seq_len, pad_tail
+    def __init__(self, files: list[TokenFile], seq_len: int, pad_tail: bool = False) -> None:
+        self.files, self.seq_len, self.pad_tail = files, seq_len, pad_tail
+        self.dtype = ",".join(sorted({f.dtype for f in files}))
+        """The files' dtype (several, comma-joined, where indexed files differ)."""
         counts = []
         for f in files:
             n = f.tokens // seq_len
@@ -152,7 +198,7 @@ class TokenData:
         m = self._maps[i]
         if m is None:
             f = self.files[i]
-            m = np.memmap(f.path, dtype=DTYPES[self.dtype], mode="r", shape=(f.tokens,))
+            m = np.memmap(f.path, dtype=DTYPES[f.dtype], mode="r", shape=(f.tokens,))
             m = self._maps[i] = np.asarray(m)  # a plain view: no memmap subclass per read
         return m
 
@@ -264,8 +310,8 @@ class TokenData:
     def sample_blocks(self) -> list[tuple[Path, int, bytes]]:
         """The fingerprint's blocks: (file, offset, bytes) at fixed places of each file."""
         out = []
-        item = np.dtype(DTYPES[self.dtype]).itemsize
         for f in self.files:
+            item = np.dtype(DTYPES[f.dtype]).itemsize
             size = f.path.stat().st_size
             block = min(BLOCK_BYTES, size)
             span = max(1, FINGERPRINT_BLOCKS - 1)
@@ -290,16 +336,25 @@ class TokenData:
     def read_blocks(self, name: str) -> tuple[str, int, int]:
         """One read of the sampled blocks: (fingerprint, smallest token or 0, largest)."""
         h = hashlib.sha256(f"{name}\0{self.dtype}\0{self.seq_len}\0".encode())
+        dtypes = {}
         for f in self.files:
             h.update(f"{f.path.name}\0{f.path.stat().st_size}\n".encode())
+            dtypes[f.path] = DTYPES[f.dtype]
+            if f.index is not None:  # the document boundaries: the index's size and ends
+                size = f.index.stat().st_size
+                h.update(f"{f.index.name}\0{size}\n".encode())
+                with open(f.index, "rb") as fh:
+                    h.update(fh.read(BLOCK_BYTES))
+                    fh.seek(max(0, size - BLOCK_BYTES))
+                    h.update(fh.read(BLOCK_BYTES))
         low, high = 0, -1
-        item = np.dtype(DTYPES[self.dtype]).itemsize
         for path, off, data in self.sample_blocks():
             h.update(f"{path.name}@{off}\0".encode())
             h.update(data)
+            item = np.dtype(dtypes[path]).itemsize
             usable = len(data) - len(data) % item
             if usable:
-                tokens = np.frombuffer(data[:usable], DTYPES[self.dtype])
+                tokens = np.frombuffer(data[:usable], dtypes[path])
                 low, high = min(low, int(tokens.min())), max(high, int(tokens.max()))
         return h.hexdigest(), low, high
 
