@@ -42,13 +42,14 @@ def test_ci_stops_at_a_failing_lint_step(tmp_path):
     rc, ran = ci_run(tmp_path / "red", ruff_rc=1)
     assert rc == 1, ran
     assert ran[-1] == "ruff check ." and not any(line.startswith("pytest") for line in ran)
-    # The control: with lint green, every step runs, the default suite and both families.
+    # The control: with lint green, every step runs, the default suite and every family.
     rc, ran = ci_run(tmp_path / "green", ruff_rc=0)
     assert rc == 0, ran
     assert [line for line in ran if line.startswith("pytest")] == [
         "pytest ",
         "pytest -m slurm",
         "pytest -m matrix",
+        "pytest -m downstream",
     ]
 
 
