@@ -21,6 +21,7 @@ from wonderland_ds.cli import (
     inspect_checkpoint,
     pipeline,
     status,
+    tokenize,
     train,
 )
 from wonderland_ds.cli import eval as evaluate  # named so as not to hide the builtin
@@ -36,7 +37,7 @@ from wonderland_ds.core.findings import (
 
 #: In the order ``wonderland --help`` lists them.
 COMMANDS = [check, configs, cache, doctor, train, pipeline, status, inspect_checkpoint]
-COMMANDS += [convert, evaluate]
+COMMANDS += [convert, evaluate, tokenize]
 
 
 def build_parser() -> argparse.ArgumentParser:
