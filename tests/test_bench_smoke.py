@@ -196,3 +196,15 @@ def test_lm_eval_bench_quick(tmp_path):
     whole = got["whole_s"]
     assert whole["stage17_both_checkpoints"] > 0 and whole["export_and_lm_eval_both"] > 0
     assert len(got["samples"]["rates"]["wonderland"]) == 2  # both checkpoints timed
+
+
+def test_tokenize_bench_small(tmp_path):
+    out = tmp_path / "r.json"
+    got = run_bench(
+        [sys.executable, "bench/bench_tokenize.py", "--mb", "1", "--reps", "1", "--out", str(out)],
+        out,
+        300,
+    )
+    assert got["same_bytes"] and got["tokens"] > 100_000
+    assert got["time_ratio"] == round(got["wall_s"]["tokenize"] / got["wall_s"]["plain"], 3)
+    assert got["peak_rss_mib"]["tokenize"] > 0 and got["peak_rss_mib"]["plain"] > 0

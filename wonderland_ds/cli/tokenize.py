@@ -47,6 +47,7 @@ def add_parser(sub: Commands) -> None:
         "--batch-size",
         type=positive,
         default=1000,
-        help="documents tokenized, written and recorded at a time (default 1000)",
+        help="documents tokenized, written and recorded at a time (default 1000; a batch also"
+        " ends at 2 million characters)",
     )
     p.set_defaults(func=cmd_tokenize)

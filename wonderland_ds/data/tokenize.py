@@ -29,6 +29,8 @@ from wonderland_ds.data import indexed, text
 from wonderland_ds.data.tokens import expand
 
 FORMAT = "wonderland-tokenize/1"
+BATCH_CHARS = 2_000_000
+"""A batch ends at this much text too, so long documents keep memory bounded."""
 
 
 class InputFile(BaseModel):
@@ -161,12 +163,14 @@ def _batches(
     for f in range(state.file, len(state.inputs)):
         done = state.in_file if f == state.file else 0
         batch: list[str] = []
+        chars = 0
         for doc in text.documents(Path(state.inputs[f].path), key, done):
             batch.append(doc)
-            if len(batch) == size:
+            chars += len(doc)
+            if len(batch) == size or chars >= BATCH_CHARS:
                 done += len(batch)
                 yield f, done, False, batch
-                batch = []
+                batch, chars = [], 0
         yield f, done + len(batch), True, batch
 
 
