@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import json
 import struct
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import megatron
 from tests.helpers.util import REPO, losses, wonderland
 from wonderland_ds.cli import main as cli
 from wonderland_ds.core.findings import Refused
 from wonderland_ds.data import indexed
 from wonderland_ds.data.tokens import TokenData, expand, open_files
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+mcore = megatron.indexed_dataset()
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # megatron-core on numpy 2
 DTYPES = ["uint8", "int8", "int16", "uint16", "int32", "int64"]

@@ -10,18 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import numpy as np
 import pytest
 
+from tests.helpers import megatron
 from tests.helpers.lm_tasks import WORDS, tokenizer
 from tests.helpers.util import snapshot
 from wonderland_ds.cli import main as cli
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    mcore = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+mcore = megatron.indexed_dataset()
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
