@@ -36,6 +36,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 findings += task + _eval_findings(path, world)
                 if not has_errors(task):  # the estimate needs a model that loads
                     findings += _memory_findings(path, world, hf)
+                    findings += _epoch_findings(path, world)
             if hf is not None and hf.localhost_only:  # the stage would run on this CPU
                 findings += _cpu_findings(path)
     render(findings, args.json)
@@ -85,6 +86,23 @@ def _eval_findings(path: str, world: int | None) -> list[Finding]:
     if settings is None or not settings.eval.tasks:
         return []
     return settings_findings(settings, world or 1, path)
+
+
+def _epoch_findings(path: str, world: int | None) -> list[Finding]:
+    """Sources the causal-LM stages would repeat more than data.max_epochs times."""
+    from wonderland_ds.config import ds_config
+    from wonderland_ds.data.lm import epoch_findings
+
+    raw, _ = ds_config.load_json(path)
+    assert raw is not None
+    _, settings, _ = ds_config.validate(raw, path)
+    if settings is None or settings.data is None:
+        return []
+    try:
+        batch = ds_config.deepspeed_dict(raw, None, world or 1)["train_batch_size"]
+    except ValueError:
+        return []  # the batch triangle's own finding says why
+    return epoch_findings(settings, int(batch), path)
 
 
 def _memory_findings(path: str, world: int | None, hf: Any) -> list[Finding]:

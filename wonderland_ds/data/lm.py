@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wonderland_ds.config.settings import HFModel, TokenFiles, WonderlandSettings
+from wonderland_ds.config.settings import HFModel, Mix, TokenFiles, WonderlandSettings
 from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data import builtin
 from wonderland_ds.data.tasks import Task
@@ -24,18 +24,57 @@ NAME = "causal-lm"
 
 def _data(data: TokenFiles, patterns: list[str], where: str, pad_tail: bool) -> TokenData:
     out = TokenData(open_files(expand(patterns, where), data.dtype, where), data.seq_len, pad_tail)
-    if len(out) == 0:
+    _not_empty(len(out), data.seq_len, patterns, where)
+    return out
+
+
+def _not_empty(samples: int, seq_len: int, patterns: list[str], where: str) -> None:
+    if samples == 0:
         raise Refused(
             Finding(
                 "data-empty",
                 "error",
-                f"the files of {where} hold no sample of seq_len {data.seq_len} tokens",
+                f"the files of {where} hold no sample of seq_len {seq_len} tokens",
                 "give more tokens, or a shorter data.seq_len",
                 ", ".join(patterns),
                 where,
             )
         )
-    return out
+
+
+def train_data(data: TokenFiles, mix: Mix, where: str) -> TokenData:
+    """The training data of a mix: one dataset over its files, or its named weighted sources
+    (each refused on its own when it is missing or holds no sample)."""
+    if isinstance(mix, list):
+        return _data(data, mix, where, pad_tail=False)
+    parts, bad = [], []
+    for name, source in mix.items():
+        at = f"{where}.{name}.files"
+        try:
+            files = open_files(expand(source.files, at), data.dtype, at)
+            _not_empty(len(TokenData(files, data.seq_len)), data.seq_len, source.files, at)
+        except Refused as exc:
+            bad += exc.findings
+            continue
+        parts.append((name, source.weight, files))
+    if bad:
+        raise Refused(bad)
+    return TokenData.blended(parts, data.seq_len)
+
+
+def mix_files(mix: Mix) -> str:
+    if isinstance(mix, list):
+        return ", ".join(mix)
+    return "; ".join(f"{name}: {', '.join(s.files)}" for name, s in mix.items())
+
+
+def mix_fingerprint(data: TokenFiles, name: str) -> str | None:
+    """The fingerprint of the config's mix ``name`` (``train`` or ``stage_train.N``), or None
+    when the config declares no such mix."""
+    mixes = {"train": data.train} | {f"stage_train.{k}": m for k, m in data.stage_train.items()}
+    if name not in mixes:
+        return None
+    return scan(train_data(data, mixes[name], f"wonderland.data.{name}"), NAME)[0]
 
 
 def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
@@ -58,8 +97,9 @@ def check_tokens(data: TokenData, vocab: int, where: str, files: str) -> None:
         )
 
 
-def load_task(spec: str, settings: WonderlandSettings) -> Task:
-    """``causal-lm`` from the config's ``model`` and ``data``, else ``builtin.load(spec)``."""
+def load_task(spec: str, settings: WonderlandSettings, stage: int | None = None) -> Task:
+    """``causal-lm`` from the config's ``model`` and ``data`` (the training data stage
+    ``stage`` reads), else ``builtin.load(spec)``."""
     if spec != NAME:
         return builtin.load(spec)
     if settings.model is None or settings.data is None:  # the settings' validator says so too
@@ -67,11 +107,11 @@ def load_task(spec: str, settings: WonderlandSettings) -> Task:
             "task causal-lm needs the config's wonderland.model and wonderland.data",
             'give "wonderland": {"task": "causal-lm", "model": {...}, "data": {...}}',
         )
-    return causal_lm(settings.model, settings.data)
+    return causal_lm(settings.model, settings.data, stage)
 
 
-def causal_lm(model: HFModel, data: TokenFiles) -> Task:
-    """The task, with its data opened in place and checked; no torch import."""
+def causal_lm(model: HFModel, data: TokenFiles, stage: int | None = None) -> Task:
+    """The task, with stage ``stage``'s data opened in place and checked; no torch import."""
     from wonderland_ds.model.construct import build_hf
 
     config = read_config(model)
@@ -88,8 +128,10 @@ def causal_lm(model: HFModel, data: TokenFiles) -> Task:
             )
         )
     vocab = int(config["vocab_size"])
-    train = _data(data, data.train, "wonderland.data.train", pad_tail=False)
-    check_tokens(train, vocab, "wonderland.data.train", ", ".join(data.train))
+    mix_name, mix = data.mix_for(stage)
+    where = f"wonderland.data.{mix_name}"
+    train = train_data(data, mix, where)
+    check_tokens(train, vocab, where, mix_files(mix))
     heldout = {}
     for name, patterns in data.heldout.items():
         where = f"wonderland.data.heldout.{name}"
@@ -109,5 +151,52 @@ def causal_lm(model: HFModel, data: TokenFiles) -> Task:
         heldout_sources=heldout,
         fingerprint_value=fingerprint,
         hf_dir=str(Path(model.hf).expanduser().resolve()),
-        meta={"model": model.hf, "init": model.init, "seq_len": data.seq_len},
+        meta={"model": model.hf, "init": model.init, "seq_len": data.seq_len, "mix": mix_name},
     )
+
+
+def epoch_findings(settings: WonderlandSettings, batch: int, file: str) -> list[Finding]:
+    """``check``: a source that stages 15 and 16 (and any stage with its own mix) would read
+    more than ``data.max_epochs`` times at ``batch`` samples a step. A mix's stream runs on
+    through the stages that read it (a stage's own mix starts at its first sample)."""
+    from wonderland_ds.data.blend import Blend, Source
+
+    data = settings.data
+    if data is None:
+        return []
+    stages = sorted({15, 16} | {int(k) for k in data.stage_train})
+    samples: dict[str, int] = {}
+    for n in stages:
+        name, _ = data.mix_for(n)
+        samples[name] = samples.get(name, 0) + settings.steps_for(n) * batch
+    out = []
+    for name, total in samples.items():
+        where = f"wonderland.data.{name}"
+        mix = data.train if name == "train" else data.stage_train[name.split(".", 1)[1]]
+        try:
+            train = train_data(data, mix, where)
+        except Refused as exc:
+            return exc.findings
+        sources = train.sources or [Source("all files", 1.0, 0, len(train))]
+        for source, read in zip(sources, Blend(sources, settings.seed).counts(total)):
+            epochs = read / source.size
+            if epochs > data.max_epochs:
+                what = (
+                    f"source {source.name!r} (weight {source.weight:.3g})"
+                    if train.sources
+                    else "it"
+                )
+                out.append(
+                    Finding(
+                        "data-epochs",
+                        "warn",
+                        f"{where}: {what} would be read {epochs:.1f} times ({read} samples of"
+                        f" {source.size}) over {total // batch} steps of {batch} samples, more"
+                        f" than data.max_epochs {data.max_epochs:g}",
+                        "add data to the source, lower its weight or the steps, or raise"
+                        " data.max_epochs if the repetition is meant",
+                        file,
+                        where,
+                    )
+                )
+    return out

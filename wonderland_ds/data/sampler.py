@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,10 +30,15 @@ class LoaderState:
     fingerprint: str
     dataset_size: int
     order: str = ORDER
+    mix: str = "train"
+    stream_start: int = 0
+    """Samples consumed before this mix's stream began."""
+    blend: str | None = None
+    sources: dict[str, dict[str, float | int]] | None = None
 
     @property
     def epoch(self) -> int:
-        return self.samples_consumed // self.dataset_size
+        return (self.samples_consumed - self.stream_start) // self.dataset_size
 
     def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "epoch": self.epoch}
@@ -48,6 +53,13 @@ def _mix(z: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+class Order(Protocol):
+    """A stream order: the dataset indices of stream positions ``[start, start + count)``
+    (:class:`GlobalSampler`, or weighted sources' ``data.blend.Blend``)."""
+
+    def indices(self, start: int, count: int) -> np.ndarray: ...
 
 
 class GlobalSampler:
@@ -146,7 +158,7 @@ class Prefetcher:
         self,
         x: Any,
         y: np.ndarray | None,
-        sampler: GlobalSampler,
+        sampler: Order,
         start: int,
         micro: int,
         gas: int,

@@ -32,6 +32,8 @@ import numpy as np
 
 from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data import indexed
+from wonderland_ds.data.blend import Blend, Source
+from wonderland_ds.data.sampler import GlobalSampler
 
 DTYPES: dict[str, type[np.integer]] = {
     "uint8": np.uint8,
@@ -182,6 +184,37 @@ class TokenData:
         self._stats = [_stat(f.path) for f in files]
         self.where = ""
         """The config path of these files (``wonderland.data.train``), for findings."""
+        self.sources: list[Source] = []
+        """Named weighted sources (``blended``): the stream interleaves them by weight.
+        Empty: one source, every sample equally likely."""
+
+    @classmethod
+    def blended(cls, parts: list[tuple[str, float, list[TokenFile]]], seq_len: int) -> TokenData:
+        """One dataset over the files of named sources ``(name, weight, files)``, each source
+        a contiguous range of samples; weights normalized."""
+        files = [f for _, _, fs in parts for f in fs]
+        data = cls(files, seq_len)
+        total = sum(w for _, w, _ in parts)
+        at = 0
+        for name, weight, fs in parts:
+            first = int(data._starts[at])
+            at += len(fs)
+            data.sources.append(Source(name, weight / total, first, int(data._starts[at]) - first))
+        return data
+
+    def sampler(self, seed: int) -> GlobalSampler | Blend:
+        """The stream's order: the blend of the sources, or one seeded permutation."""
+        if self.sources:
+            return Blend(self.sources, seed)
+        return GlobalSampler(len(self), seed)
+
+    @property
+    def layout(self) -> str:
+        """The sources' names, weights and sizes ("" for one source), part of the
+        fingerprint: another weight is another stream."""
+        if not self.sources:
+            return ""
+        return json.dumps([[s.name, round(s.weight, 9), s.size] for s in self.sources])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -336,6 +369,8 @@ class TokenData:
     def read_blocks(self, name: str) -> tuple[str, int, int]:
         """One read of the sampled blocks: (fingerprint, smallest token or 0, largest)."""
         h = hashlib.sha256(f"{name}\0{self.dtype}\0{self.seq_len}\0".encode())
+        if self.sources:
+            h.update(f"mix\0{self.layout}\0".encode())
         dtypes = {}
         for f in self.files:
             h.update(f"{f.path.name}\0{f.path.stat().st_size}\n".encode())
@@ -365,7 +400,7 @@ _SCANS: dict[str, tuple[str, int, int]] = {}
 
 
 def _scan_key(data: TokenData, name: str) -> str:
-    parts: list[object] = [name, data.dtype, data.seq_len]
+    parts: list[object] = [name, data.dtype, data.seq_len, data.layout]
     for f in data.files:
         st = f.path.stat()
         parts.append([str(f.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino])

@@ -24,10 +24,11 @@ def _first_micro_batch(task: Task, micro: int, seed: int) -> tuple[Any, Any]:
 
     train = task.train
     assert train is not None
-    idx = np.sort(GlobalSampler(len(train), seed).indices(0, min(micro, len(train))))
+    count = min(micro, len(train))
     if isinstance(train, Split):
+        idx = np.sort(GlobalSampler(len(train), seed).indices(0, count))
         return np.asarray(train.x[idx]), np.asarray(train.y[idx])
-    return train.take(idx)
+    return train.take(np.sort(train.sampler(seed).indices(0, count)))
 
 
 def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -> list[Finding]:
