@@ -41,6 +41,15 @@ class DataPosition(_Model):
     dataset_size: int
     order: str = "permutation"  # checkpoints written before the order was recorded
     epoch: int | None = None
+    mix: str = "train"
+    """The training data the stream reads: ``train`` or a stage's own ``stage_train.N``."""
+    stream_start: int = 0
+    """Samples consumed before this mix's stream began (a stage's own mix starts at its own
+    first sample)."""
+    blend: str | None = None
+    """The weighted sources' interleave (``data.blend.ORDER``); None: one source."""
+    sources: dict[str, dict[str, float | int]] | None = None
+    """Per source: weight, samples read and epochs, in this mix's stream."""
 
 
 class NormStats(_Model):

@@ -181,6 +181,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if e.get("summary"):
             print(f"           {e['summary']}")
+        if e.get("data_mix"):
+            print(f"           data: {_mix_line(e)}")
         if e.get("state") == "stale":
             print(f"           stale: {e['stale_because']}")
         for a in e.get("allocations") or []:
@@ -210,6 +212,27 @@ def cmd_status(args: argparse.Namespace) -> int:
     for r in data.get("tasks") or []:
         print(f"           {_task_line(r)}")
     return EXIT_OK
+
+
+def _mix_line(e: dict[str, Any]) -> str:
+    """The training data a stage read: its mix, each source's weight and epochs, and a
+    declared change from the checkpoint's mix."""
+    line = f"data.{e['data_mix']}"
+    sources = e.get("sources") or {}
+    if sources:
+        line += (
+            " ("
+            + ", ".join(
+                f"{n} {s['weight']:.3g}: {s['epochs']:.2f} epochs" for n, s in sources.items()
+            )
+            + ")"
+        )
+    elif (e.get("data_mix_change") or {}).get("sources"):
+        line += f" ({e['data_mix_change']['sources']})"
+    change = e.get("data_mix_change")
+    if change:
+        line += f", declared for this stage (the checkpoint's: data.{change['from']})"
+    return line
 
 
 def _task_line(r: dict[str, Any]) -> str:

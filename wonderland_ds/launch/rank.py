@@ -118,6 +118,8 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
             overrides=sorted(overrides(opts)),
             finished=None,
             grad_acc=decided.ds_dict["gradient_accumulation_steps"],
+            data_mix=task.meta.get("mix"),
+            data_mix_change=plan.data_mix,
             argv=decided.options.argv(),
             stop=None,
             **_allocation_started(run_dir, opts.stage, alloc, first_step),

@@ -97,7 +97,7 @@ def _task_data(
     from wonderland_ds.data import cache
 
     spec = opts.task or settings.task
-    task = lm.load_task(spec, settings)
+    task = lm.load_task(spec, settings, opts.stage)
     if task.train is not None and not isinstance(task.train, tasks.Split):
         return _materialize(task), run_dir / "cache" / task.name  # token files, in place
     if settings.cache:
@@ -137,6 +137,20 @@ def _materialize(task: tasks.Task) -> tasks.Task:
     # whatever cyclic garbage it makes is collected as Python normally would.
     with startup.collecting():
         return task.materialize()
+
+
+def _mix_args(task: tasks.Task, settings: WonderlandSettings) -> dict[str, Any]:
+    """The preflight's view of the config's training mixes (causal-lm only)."""
+    data = settings.data
+    if data is None or "mix" not in task.meta:
+        return {}
+    sources = getattr(task.train, "sources", [])
+    label = ", ".join(f"{s.name} {s.weight:.3g}" for s in sources) or "one source"
+    return {
+        "mix": task.meta["mix"],
+        "mix_fingerprint": lambda name: lm.mix_fingerprint(data, name),
+        "mix_label": label,
+    }
 
 
 def plan_stage(
@@ -182,6 +196,7 @@ def plan_stage(
         overrides=overrides(opts),
         own_folder=not rerun_pending,
         reshard_blocker=zero_layout.target_blocker(ds_dict),
+        **_mix_args(task, settings),
     )
     required = st.preflight or opts.optimizer_state or opts.scheduler_state
     if not required:

@@ -8,6 +8,7 @@ contract, the data, the seed and the topology, into the stage's :class:`Plan`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ class Plan:
     continuing: bool = False
     """The source is this stage's own checkpoint (an interrupted stage resumed)."""
     findings: list[Finding] = field(default_factory=list)
+    data_mix: dict[str, str] | None = None
+    """A mix the config declares for this stage, in place of the checkpoint's: ``mix``,
+    ``sources`` (names and weights) and ``from`` (the checkpoint's mix); None: no change."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +62,7 @@ class Plan:
                 "parameters": len(self.layout.norms),
             },
             "continuing": self.continuing,
+            "data_mix": self.data_mix,
             "findings": [f.to_dict() for f in self.findings],
         }
 
@@ -78,10 +83,16 @@ def check(
     overrides: set[str] = frozenset(),  # type: ignore[assignment]
     own_folder: bool = True,
     reshard_blocker: str | None = None,
+    mix: str = "train",
+    mix_fingerprint: Callable[[str], str | None] | None = None,
+    mix_label: str = "",
 ) -> Plan:
     """``own_folder=False``: a new attempt of the stage, whose old folder is about to be
     moved aside, never resumes from it. ``reshard_blocker``: why the new config cannot take
-    a load-time reshard (offload to NVMe, parameter alignment...), or None."""
+    a load-time reshard (offload to NVMe, parameter alignment...), or None. ``mix``: the
+    config's training data this stage reads (``train`` or ``stage_train.N``, described by
+    ``mix_label``); ``mix_fingerprint(name)``: the fingerprint of another of the config's
+    mixes (None: not declared), for a checkpoint trained on another mix."""
     plan = Plan(stage)
     source, continuing, found = resolve(resume, run_dir, stage, own_folder)
     plan.findings += found
@@ -138,7 +149,29 @@ def check(
                     "data.seed",
                 )
             )
-        if data.get("fingerprint") != fingerprint:
+        theirs_mix = data.get("mix", "train")
+        declared = None
+        if theirs_mix != mix and not continuing and mix_fingerprint is not None:
+            # A declared mix per stage is not a silent change: the checkpoint must match the
+            # config's mix it was trained on, and this stage's mix is recorded.
+            declared = mix_fingerprint(theirs_mix)
+        if declared is not None and declared == data.get("fingerprint"):
+            now = f"data.{mix} ({mix_label})"
+            what = (
+                f"stage {stage} trains on {now} from its first sample"
+                if stages.get(stage).kind == "train"
+                else f"stage {stage} reads {now}"
+            )
+            plan.findings.append(
+                Finding(
+                    "data-mix",
+                    "info",
+                    f"{what}; the checkpoint trained on data.{theirs_mix}, unchanged: a mix the"
+                    " config declares per stage",
+                )
+            )
+            plan.data_mix = {"mix": mix, "from": theirs_mix, "sources": mix_label}
+        elif data.get("fingerprint") != fingerprint:
             theirs = info.get("task")
             plan.findings.append(
                 Finding(

@@ -17,9 +17,11 @@ import torch
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
+from wonderland_ds.core.distributed import log
 from wonderland_ds.core.files import disk_error
 from wonderland_ds.core.findings import Stopped
 from wonderland_ds.core.signals import StopRequest
+from wonderland_ds.data.blend import Blend
 from wonderland_ds.run import manifest
 from wonderland_ds.training import faults
 from wonderland_ds.training.guards import StepGuards
@@ -131,6 +133,30 @@ class Heartbeat(Callback):
         self.heartbeat.step = done
 
 
+class SourceTokens(Callback):
+    """Weighted sources, rank 0: each judged step's tokens per source (for metrics.csv), and
+    a log line when a source runs out and starts a new epoch in a new order."""
+
+    def __init__(self, run: StageRun, blend: Blend, batch: int, stream_start: int) -> None:
+        self.stage, self.blend, self.batch = run.stage, blend, batch
+        self.stream_start = stream_start
+        self.tokens = int(getattr(run.task.train, "tokens_per_sample", 1))
+        self.main = dist.is_main()
+
+    def on_judged(self, row: StepRow, step: TrainedStep, summed: list[float]) -> None:
+        if not self.main:
+            return
+        end = step.samples - self.stream_start  # the mix's own stream position after the step
+        counts = self.blend.between(end - self.batch, end)
+        row.source_tokens = {s.name: n * self.tokens for s, n in zip(self.blend.sources, counts)}
+        for name, epoch in self.blend.epoch_starts(end - self.batch, end):
+            log(
+                f"stage {self.stage} step {step.step}: source {name!r} ran out and starts"
+                f" epoch {epoch + 1}"
+                " (a new order)"
+            )
+
+
 class MetricsRows(Callback):
     """Rank 0's metrics.csv: rows past the start step dropped at the start and after a
     rollback; the judged steps' rows appended as the stage runs (at most every
@@ -141,12 +167,13 @@ class MetricsRows(Callback):
     def __init__(self, run: StageRun, first: int, end: int) -> None:
         self.run, self.first, self.end = run, first, end
         self.main = dist.is_main()
+        self.sources = [s.name for s in getattr(run.task.train, "sources", None) or []]
         self.rows: list[StepRow] = []
         self.flushed = time.monotonic()
 
     def on_start(self) -> None:
         if self.main:
-            write_metrics(self.run.stage_dir, [], keep_upto=self.first)
+            write_metrics(self.run.stage_dir, [], self.first, self.sources)
             manifest.update_stage(self.run.run_dir, self.run.stage, end_step=self.end)
 
     def on_judged(self, row: StepRow, step: TrainedStep, summed: list[float]) -> None:
@@ -161,7 +188,7 @@ class MetricsRows(Callback):
         self.flushed = time.monotonic()
         if self.main:
             try:
-                write_metrics(self.run.stage_dir, rows, keep_upto=None)
+                write_metrics(self.run.stage_dir, rows, None, self.sources)
             except OSError as exc:
                 if not disk_error(exc):
                     raise
@@ -172,7 +199,7 @@ class MetricsRows(Callback):
 
     def post_rollback(self, back: int) -> None:
         if self.main:
-            write_metrics(self.run.stage_dir, [], keep_upto=back)
+            write_metrics(self.run.stage_dir, [], back, self.sources)
 
     def on_end(self) -> None:
         if self.rows:

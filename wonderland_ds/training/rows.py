@@ -59,6 +59,8 @@ class StepRow:
     aux_loss: float | None = None
     """A mixture-of-experts model's router load-balancing loss (mean over ranks and
     micro-batches, before its coefficient); None for other models."""
+    source_tokens: dict[str, int] | None = None
+    """Weighted sources: the tokens each source gave the step (columns ``tokens_NAME``)."""
 
     @classmethod
     def measured(
@@ -119,11 +121,17 @@ class StepRow:
             "data_wait_s": "" if self.data_wait_s is None else f"{self.data_wait_s:.6f}",
             "wall": "" if self.wall is None else f"{self.wall:.6f}",
             "aux_loss": "" if self.aux_loss is None else f"{self.aux_loss:.8g}",
-        }
+        } | {f"tokens_{name}": n for name, n in (self.source_tokens or {}).items()}
 
 
-def write_metrics(stage_dir: Path, rows: list[StepRow], keep_upto: int | None) -> None:
-    """Append step rows to metrics.csv; on resume drop rows past the restored step first."""
+def write_metrics(
+    stage_dir: Path,
+    rows: list[StepRow],
+    keep_upto: int | None,
+    sources: list[str] = (),  # type: ignore[assignment]
+) -> None:
+    """Append step rows to metrics.csv; on resume drop rows past the restored step first.
+    ``sources``: weighted sources' names, a ``tokens_NAME`` column each after the others."""
     path = stage_dir / "metrics.csv"
     old: list[dict[str, str]] = []
     if keep_upto is not None and path.exists():
@@ -131,7 +139,7 @@ def write_metrics(stage_dir: Path, rows: list[StepRow], keep_upto: int | None) -
             old = [r for r in csv.DictReader(fh) if int(r["step"]) <= keep_upto]
     mode = "w" if keep_upto is not None or not path.exists() else "a"
     with open(path, mode, newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=COLUMNS)
+        w = csv.DictWriter(fh, fieldnames=[*COLUMNS, *(f"tokens_{n}" for n in sources)])
         if mode == "w":
             w.writeheader()
             w.writerows(old)

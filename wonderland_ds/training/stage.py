@@ -199,12 +199,22 @@ def train(
             f"loaded global step {step}, checkpoint says {info.get('global_step')}",
             "the checkpoint and its metadata disagree: inspect it",
         )
+    consumed = int(data["samples_consumed"])
+    mix = str(run.task.meta.get("mix", "train"))
+    # A stage's own mix is a new stream, from its first sample; the same mix continues.
+    new_mix = data.get("mix", "train") != mix
     prog = Progress(
-        samples_consumed=int(data["samples_consumed"]),
+        samples_consumed=consumed,
         stage_start_step=int(info.get("stage_start_step", 0)) if plan.continuing else step,
+        stream_start=consumed if new_mix else int(data.get("stream_start") or 0),
         norm_mean=list(stats.get("mean") or []),
         norm_std=list(stats.get("std") or []),
     )
+    if new_mix:
+        log(
+            f"stage {opts.stage}: training data {mix} (the checkpoint's was"
+            f" {data.get('mix', 'train')}): its stream starts at its first sample"
+        )
     log(
         f"stage {opts.stage}: resumed {plan.source} at step {step}, lr {engine.get_lr()[0]:.4g},"
         f" sample {prog.samples_consumed}"

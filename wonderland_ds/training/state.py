@@ -13,8 +13,11 @@ import torch
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.config.ds_config import DSConfig
 from wonderland_ds.config.settings import WonderlandSettings
+from wonderland_ds.data.blend import ORDER as BLEND_ORDER
+from wonderland_ds.data.blend import Blend
 from wonderland_ds.data.sampler import LoaderState
 from wonderland_ds.data.tasks import Split, Task, normalization_stats
+from wonderland_ds.data.tokens import TokenData
 from wonderland_ds.training import faults
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +56,8 @@ class Progress:
 
     samples_consumed: int = 0
     stage_start_step: int = 0
+    stream_start: int = 0
+    """Samples consumed before the training data's stream began (a stage's own mix)."""
     norm_mean: list[float] = field(default_factory=list)
     norm_std: list[float] = field(default_factory=list)
 
@@ -88,8 +93,27 @@ def loss_scale(engine: Any) -> float | None:
 
 
 def loader_state(run: StageRun, prog: Progress) -> LoaderState:
-    assert run.task.train is not None
-    return LoaderState(run.seed, prog.samples_consumed, run.task.fingerprint, len(run.task.train))
+    train = run.task.train
+    assert train is not None
+    sources = getattr(train, "sources", None)
+    return LoaderState(
+        run.seed,
+        prog.samples_consumed,
+        run.task.fingerprint,
+        len(train),
+        mix=str(run.task.meta.get("mix", "train")),
+        stream_start=prog.stream_start,
+        blend=BLEND_ORDER if sources else None,
+        sources=source_epochs(run, prog) if sources else None,
+    )
+
+
+def source_epochs(run: StageRun, prog: Progress) -> dict[str, dict[str, float | int]] | None:
+    """Each weighted source's samples and epochs in the stream so far (None: one source)."""
+    train = run.task.train
+    if not isinstance(train, TokenData) or not train.sources:
+        return None
+    return Blend(train.sources, run.seed).epochs(prog.samples_consumed - prog.stream_start)
 
 
 def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarray] | None]:
@@ -97,10 +121,10 @@ def fresh_progress(run: StageRun) -> tuple[Progress, tuple[np.ndarray, np.ndarra
     without input normalization, such as the byte-level LM, skip it)."""
     assert run.task.train is not None
     if not run.task.normalize:
-        return Progress(0, 0, [], []), None
+        return Progress(), None
     assert isinstance(run.task.train, Split)
     mean, std = normalization_stats(np.asarray(run.task.train.x))
-    return Progress(0, 0, mean.tolist(), std.tolist()), (mean, std)
+    return Progress(norm_mean=mean.tolist(), norm_std=std.tolist()), (mean, std)
 
 
 def dump_json(path: Path, obj: Any) -> None:

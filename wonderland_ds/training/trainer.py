@@ -21,6 +21,7 @@ from wonderland_ds.core.findings import Stopped
 from wonderland_ds.core.process import peak_rss_mb
 from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
+from wonderland_ds.data.blend import Blend
 from wonderland_ds.data.sampler import GlobalSampler, Prefetcher
 from wonderland_ds.data.tasks import Split
 from wonderland_ds.data.tokens import TokenData
@@ -31,11 +32,12 @@ from wonderland_ds.training.callbacks import (
     Heartbeat,
     MetricsRows,
     ProgressReport,
+    SourceTokens,
 )
 from wonderland_ds.training.checks import Checks
 from wonderland_ds.training.rollback import guard_stop, rollback
 from wonderland_ds.training.saving import Saver
-from wonderland_ds.training.state import DTYPES, Progress, StageRun
+from wonderland_ds.training.state import DTYPES, Progress, StageRun, source_epochs
 from wonderland_ds.training.stopping import StopAgreement
 
 
@@ -103,6 +105,9 @@ class Trainer:
         if run.heartbeat is not None:  # before the step's fault point: a killed rank's last
             self.callbacks.append(Heartbeat(run.heartbeat))  # heartbeat has its step
         self.callbacks.append(FaultInjection(run.fault, engine.module))
+        if isinstance(train, TokenData) and train.sources:  # before the rows: it fills them
+            blend = Blend(train.sources, run.seed)
+            self.callbacks.append(SourceTokens(run, blend, self.batch, prog.stream_start))
         self.callbacks.append(MetricsRows(run, self.first, self.end))
         if report:  # a real stage (benchmarks train without the display and sink)
             train = run.task.train
@@ -267,8 +272,10 @@ class Trainer:
         return Prefetcher(
             xy[0],
             xy[1],
-            GlobalSampler(len(train), self.run.seed),
-            self.prog.samples_consumed,
+            train.sampler(self.run.seed)
+            if isinstance(train, TokenData)
+            else GlobalSampler(len(train), self.run.seed),
+            self.prog.samples_consumed - self.prog.stream_start,  # the mix's own position
             self.mb,
             self.gas,
             self.world,
@@ -291,4 +298,6 @@ class Trainer:
             "save_blocked_s": [round(b, 4) for b in self.saver.blocked],
             "rollbacks": checks.guards.rollbacks,
             "checkpoint": str(self.run.ckpt_root / ck.tag_for(step)),
+            "data_mix": self.run.task.meta.get("mix"),
+            "sources": source_epochs(self.run, self.prog),
         }
