@@ -131,6 +131,7 @@ def test_the_metrics_writer_on_a_full_disk_stops_the_stage(tmpfs, tmp_path):
     run.stage_dir, run.signals = stage, StopSignals()
     rows = MetricsRows.__new__(MetricsRows)
     rows.run, rows.main, rows.rows, rows.flushed = run, True, [StepRow(1, 0.5)], time.monotonic()
+    rows.sources = []
     rows.flush()
     assert run.signals.first is not None and run.signals.first.reason == "disk-full"
     assert "writing metrics.csv failed" in run.signals.first.detail and rows.rows  # kept
