@@ -258,6 +258,15 @@ class TokenFiles(_Strict):
     or more). An indexed file's comes from its index: given, it must agree."""
     seq_len: int = Field(ge=2)
     """Tokens per sample (at most the model's positions)."""
+    document_masking: bool = False
+    """Keep attention and positions inside each document of a packed sample: position ids
+    restart after every EOS, attention is block-diagonal (built by ``transformers`` from the
+    restarts) and no token is predicted across a boundary. ``check`` refuses an architecture
+    that does not support it. false: samples attend across documents (as Megatron's default
+    and nanoGPT do)."""
+    eos_id: int | None = Field(None, ge=0)
+    """The token that ends each document (document masking); default the model config's
+    ``eos_token_id``, the token ``wonderland tokenize`` appends."""
 
     @field_validator("train")
     @classmethod

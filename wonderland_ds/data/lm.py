@@ -151,8 +151,38 @@ def causal_lm(model: HFModel, data: TokenFiles, stage: int | None = None) -> Tas
         heldout_sources=heldout,
         fingerprint_value=fingerprint,
         hf_dir=str(Path(model.hf).expanduser().resolve()),
-        meta={"model": model.hf, "init": model.init, "seq_len": data.seq_len, "mix": mix_name},
+        meta={
+            "model": model.hf,
+            "init": model.init,
+            "seq_len": data.seq_len,
+            "mix": mix_name,
+            "vocab": vocab,
+        },
+        document_eos=document_eos(data, config, vocab) if data.document_masking else None,
     )
+
+
+def document_eos(data: TokenFiles, config: dict, vocab: int) -> int:
+    """The token ending each document, for document masking: ``data.eos_id``, else the
+    model config's ``eos_token_id`` (the first of a list)."""
+    eos: object = data.eos_id
+    if eos is None:
+        found = config.get("eos_token_id")
+        eos = found[0] if isinstance(found, list) and found else found
+    if not isinstance(eos, int) or not 0 <= eos < vocab:
+        given = "data.eos_id" if data.eos_id is not None else "the model config's eos_token_id"
+        raise Refused(
+            Finding(
+                "data-eos",
+                "error",
+                f"data.document_masking needs the token that ends each document: {given} is"
+                f" {eos!r}, not a token id below the vocabulary size {vocab}",
+                "give wonderland.data.eos_id (the EOS your tokenizer appended)",
+                "",
+                "wonderland.data.eos_id",
+            )
+        )
+    return eos
 
 
 def epoch_findings(settings: WonderlandSettings, batch: int, file: str) -> list[Finding]:

@@ -118,16 +118,38 @@ class Task:
     ``build_model`` loads from pretrained weights need not load them to be overwritten."""
     hf_dir: str | None = None
     """The Hugging Face model directory (stage 18 exports a ``save_pretrained`` folder)."""
+    document_eos: int | None = None
+    """``"hf"`` language models with ``data.document_masking``: the token ending each document;
+    attention and positions stay inside documents (``data/documents.py``). None: packed
+    samples attend across documents."""
 
     def forward(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
         if self.batch_format == "hf":
             from wonderland_ds.data.tokens import IGNORE
 
+            if self.document_eos is not None:
+                # No attention mask and no cache: transformers then builds the block-diagonal
+                # mask from the restarted positions (a tail's padding comes last, under the
+                # causal mask).
+                from wonderland_ds.data.documents import positions
+
+                pos, labels = positions(y, self.document_eos)
+                return model(input_ids=x, position_ids=pos, labels=labels, use_cache=False)
             return model(input_ids=x, attention_mask=(y != IGNORE).long(), labels=y)
         return model(x)
 
+    def labels(self, y: torch.Tensor) -> torch.Tensor:
+        """The targets the loss counts: ``y``, with document masking less each document's
+        first token (nothing is predicted across a document boundary)."""
+        if self.document_eos is None:
+            return y
+        from wonderland_ds.data.documents import positions
+
+        return positions(y, self.document_eos)[1]
+
     def loss(self, out: Any, y: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch (training's and stage 17's)."""
+        y = self.labels(y)
         if self.loss_fn is not None:
             return self.loss_fn(out, y)
         return standard_loss(out, y, self.kind, self.batch_format == "hf")
@@ -146,6 +168,7 @@ class Task:
 
         if self.kind != "lm":
             return int(y.shape[0])
+        y = self.labels(y)
         return int((y[:, 1:] if self.batch_format == "hf" else y).ne(IGNORE).sum())
 
     def batch_loss(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,24 @@ def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -
     if not torch.isfinite(loss.detach()):
         value = float(loss.detach())
         return bad(f"the loss is {value} on the first micro-batch", "check inputs and init")
+    masking = []
+    if task.document_eos is not None:
+        from wonderland_ds.data.documents import refusal
+
+        found = refusal(task, model, "wonderland.data.document_masking", file)
+        if found is not None:
+            return [found]
+        masking = [
+            Finding(
+                "document-masking",
+                "ok",
+                f"{type(model).__name__} keeps attention and positions inside documents (EOS"
+                f" {task.document_eos})",
+                "",
+                file,
+                "wonderland.data.document_masking",
+            )
+        ]
     params = sum(p.numel() for p in model.parameters())
     dims = "x".join(str(d) for d in tx.shape)
     return [
@@ -99,7 +117,7 @@ def check_task(spec: str, settings: WonderlandSettings, micro: int, file: str) -
             file,
             where,
         )
-    ]
+    ] + masking
 
 
 def _too_big_to_try(settings: WonderlandSettings) -> str | None:

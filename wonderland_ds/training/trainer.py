@@ -17,7 +17,7 @@ import torch
 
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.core import distributed as dist
-from wonderland_ds.core.findings import Stopped
+from wonderland_ds.core.findings import Refused, Stopped
 from wonderland_ds.core.process import peak_rss_mb
 from wonderland_ds.core.signals import StopRequest, StopSignals
 from wonderland_ds.core.slurm import Allocation
@@ -46,6 +46,12 @@ def fit(
 ) -> dict[str, Any]:
     """Train until the stage's step budget under the guards; save every ``save_interval``
     and at the end. ``log``: None leaves out the progress display and metrics sink."""
+    if run.task.document_eos is not None:  # check's probe, on the model as built to train
+        from wonderland_ds.data.documents import refusal
+
+        found = refusal(run.task, engine.module, "wonderland.data.document_masking")
+        if found is not None:
+            raise Refused(found)
     return Trainer(run, engine, prog, log is not None, verify).train()
 
 
