@@ -48,6 +48,10 @@ def test_stage15_checkpoints_hold_the_contract(reference):
         "fingerprint": m["data"]["fingerprint"],
         "dataset_size": 1116,
         "order": "feistel-1",
+        "mix": "train",
+        "stream_start": 0,
+        "blend": None,
+        "sources": None,
     }
     assert len(m["norm_stats"]["mean"]) == 64 and m["versions"]["deepspeed"].startswith("0.19")
     names = set(m["files"])
