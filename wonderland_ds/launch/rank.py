@@ -118,8 +118,10 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
             overrides=sorted(overrides(opts)),
             finished=None,
             grad_acc=decided.ds_dict["gradient_accumulation_steps"],
-            data_mix=task.meta.get("mix"),
-            data_mix_change=plan.data_mix,
+            # The training data a training stage reads (an evaluation's preflight says which
+            # mix its checkpoint trained on).
+            data_mix=task.meta.get("mix") if st.kind == "train" else None,
+            data_mix_change=plan.data_mix if st.kind == "train" else None,
             argv=decided.options.argv(),
             stop=None,
             **_allocation_started(run_dir, opts.stage, alloc, first_step),

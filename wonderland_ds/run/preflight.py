@@ -18,6 +18,7 @@ from wonderland_ds.checkpoint.describe import describe
 from wonderland_ds.checkpoint.zero_layout import SourceLayout
 from wonderland_ds.config import stages
 from wonderland_ds.core.findings import Finding
+from wonderland_ds.data.blend import ORDER as BLEND_ORDER
 from wonderland_ds.data.sampler import ORDER
 from wonderland_ds.run import manifest
 from wonderland_ds.run.resume_source import resolve
@@ -185,14 +186,16 @@ def check(
                     "data.fingerprint",
                 )
             )
-        order = data.get("order", "permutation")
-        if order != ORDER:
+        order, ours = data.get("order", "permutation"), ORDER
+        if order == ORDER and data.get("blend") and theirs_mix == mix:  # the same mix goes on
+            order, ours = data["blend"], BLEND_ORDER
+        if order != ours:
             plan.findings.append(
                 Finding(
                     "data-order",
                     "warn" if "allow-seed-change" in overrides else "error",
                     f"the checkpoint's data order was computed as {order!r}, this version's as"
-                    f" {ORDER!r}: the stream would not continue where it stopped",
+                    f" {ours!r}: the stream would not continue where it stopped",
                     "resume with the version that saved it, or pass --allow-seed-change (recorded)",
                     str(source),
                     "data.order",
