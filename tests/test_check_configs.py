@@ -255,10 +255,11 @@ BROKEN = [
         "zero_optimization.reduce_bucket_size",
     ),
     Broken(
-        "auto-warmup",
-        {"scheduler.params.warmup_num_steps": "auto"},
+        "auto-clipping",
+        {"gradient_clipping": "auto"},
         "auto-value",
-        "scheduler.params.warmup_num_steps",
+        "gradient_clipping",
+        "the max gradient norm",
     ),
     Broken("auto-scheduler-type", {"scheduler.type": "Auto"}, "auto-value", "scheduler.type"),
     # wrong JSON types

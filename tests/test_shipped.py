@@ -124,6 +124,7 @@ OLD_OPTIMIZER = {
     "deepspeedexamples_llama_70b_multi_node.json",
 }
 HF_TEMPLATE = CORPUS / "hf_transformers_tests_ds_config_zero2.json"
+HF_ZERO3 = CORPUS / "hf_transformers_docs_zero3.json"  # tests/test_auto.py
 HF_AUTO_PATHS = {
     "fp16.enabled",
     "bf16.enabled",
@@ -142,7 +143,10 @@ HF_AUTO_PATHS = {
 
 
 def test_corpus_is_complete() -> None:
-    assert {p.name for p in CORPUS.glob("*.json")} == set(VALID_CORPUS) | {HF_TEMPLATE.name}
+    assert {p.name for p in CORPUS.glob("*.json")} == set(VALID_CORPUS) | {
+        HF_TEMPLATE.name,
+        HF_ZERO3.name,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(VALID_CORPUS))
@@ -165,15 +169,31 @@ def test_public_configs_pass(name: str, capsys: pytest.CaptureFixture[str]) -> N
     )
 
 
+#: The template's "auto" values with a source here (the stage plan, the world size): filled.
+HF_FILLED = {
+    "scheduler.params.warmup_min_lr",
+    "scheduler.params.warmup_num_steps",
+    "train_batch_size",
+}
+
+
 def test_hf_template_names_every_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each "auto" is either filled, with its value and source, or refused, naming its path
+    and what to write: none is left to DeepSpeed."""
     rc = cli.main(["check", str(HF_TEMPLATE), "--world-size", "8", "--json"])
     findings = json.loads(capsys.readouterr().out)
     assert rc == 2
     assert len(HF_AUTO_PATHS) == 13
-    assert sorted(f["path"] for f in findings) == sorted(HF_AUTO_PATHS)
-    for f in findings:
-        assert (f["rule"], f["severity"], f["file"]) == ("auto-value", "error", str(HF_TEMPLATE))
-        assert "concrete value" in f["fix"]
+    refused = [f for f in findings if f["rule"] == "auto-value"]
+    filled = {f["path"]: f for f in findings if f["rule"] == "auto-filled"}
+    assert sorted(f["path"] for f in refused) == sorted(HF_AUTO_PATHS - HF_FILLED)
+    assert set(filled) == HF_FILLED and len(findings) == len(HF_AUTO_PATHS)
+    for f in refused:
+        assert (f["severity"], f["file"]) == ("error", str(HF_TEMPLATE))
+        assert f["fix"].startswith("write the value: ")
+    assert filled["scheduler.params.warmup_num_steps"]["message"] == (
+        '"auto" -> 500 (wonderland.min_warmup_steps)'
+    )
 
 
 def test_hf_template_filled_in_passes(tmp_path: Path) -> None:

@@ -18,11 +18,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from wonderland_ds.config import auto
 from wonderland_ds.config.batch import batch_triangle
 from wonderland_ds.config.ds_models import WONDERLAND_KEY, DSConfig
-from wonderland_ds.config.explain import join_loc, pydantic_findings
+from wonderland_ds.config.explain import pydantic_findings
 from wonderland_ds.config.json_file import load_json
-from wonderland_ds.config.key_checks import auto_values, deepspeed_types, unknown_keys
+from wonderland_ds.config.key_checks import deepspeed_types, unknown_keys
 from wonderland_ds.config.rules import engine_rules
 from wonderland_ds.config.settings import WonderlandSettings
 from wonderland_ds.core.findings import Finding, has_errors
@@ -45,21 +46,11 @@ def validate(
     stages: set[int] | None = None,
 ) -> tuple[DSConfig | None, WonderlandSettings | None, list[Finding]]:
     """Validate a parsed config; collect every problem. Never raises for bad input."""
-    out: list[Finding] = []
-    autos = auto_values(raw)
-    for loc in autos:
-        out.append(
-            Finding(
-                "auto-value",
-                "error",
-                '"auto" is only filled in by the Hugging Face Trainer; DeepSpeed drops it or crashes',
-                "replace it with the concrete value",
-                file,
-                join_loc(loc),
-            )
-        )
-    skip = {join_loc(loc) for loc in autos}
+    raw, filled, out = auto.fill(raw, file, world_size)  # "auto": filled, or refused by key
+    out += auto.findings(filled, file)
+    skip = {f.path for f in out if f.rule == "auto-value"}
     out += unknown_keys(raw, file)
+    out += auto.bucket_findings(raw, file)
     settings: WonderlandSettings | None = None
     try:
         settings = WonderlandSettings.model_validate(raw.get(WONDERLAND_KEY, {}))
@@ -95,12 +86,13 @@ def check_file(
 
 
 def deepspeed_dict(raw: dict[str, Any], grad_acc: int | None, world_size: int) -> dict[str, Any]:
-    """The dict handed to deepspeed.initialize: our section stripped, triangle re-closed.
+    """The dict handed to deepspeed.initialize: ``"auto"`` filled (``auto.py``), our section
+    stripped, triangle re-closed.
 
     ``grad_acc`` (``--grad-acc-steps``) overrides the config; the micro batch is kept and
     train_batch_size recomputed for ``world_size`` so DeepSpeed's own assertion holds.
     """
-    out = copy.deepcopy(raw)
+    out = copy.deepcopy(auto.fill(raw, "", world_size)[0])  # a refused "auto": check's error
     out.pop(WONDERLAND_KEY, None)
     cfg = DSConfig.model_validate(out)
     if grad_acc is not None:

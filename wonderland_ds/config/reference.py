@@ -40,7 +40,9 @@ its fix (exit 2 on an error); `wonderland train` refuses a config that does not 
   stripped, the batch sizes closed for the world size). The keys the engine depends on are
   typed in the tables of the second part; every other key passes through, but it must be one
   the installed DeepSpeed knows, because DeepSpeed silently ignores unknown top-level keys and
-  typos in several sections. `"auto"` values (Hugging Face templates) are refused.
+  typos in several sections. `"auto"` values (Hugging Face templates) are filled where the
+  model, the world size or the stage plan gives the value, and refused by key where nothing
+  does ([models-and-data.md](models-and-data.md#models-bigger-than-a-rank)).
 - The shipped configs in `ds_configs/` are complete examples, each passing `check`.
 
 Types are JSON types; a range is written `[low, high]` (`(` or `)` where the bound itself is

@@ -17,7 +17,7 @@ import numpy as np
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.checkpoint import zero_layout
 from wonderland_ds.checkpoint.contract import export_hashes, import_hashes, stat_key
-from wonderland_ds.config import stages
+from wonderland_ds.config import auto, stages
 from wonderland_ds.config.ds_config import DSConfig, deepspeed_dict, load_json, validate
 from wonderland_ds.config.settings import WonderlandSettings
 from wonderland_ds.core.findings import Finding, Refused, has_errors
@@ -198,6 +198,8 @@ def plan_stage(
         reshard_blocker=zero_layout.target_blocker(ds_dict),
         **_mix_args(task, settings),
     )
+    filled = auto.fill(raw, opts.config, world)[1]  # shown with the preflight, recorded there
+    plan.findings[:0] = auto.findings(filled, opts.config)
     required = st.preflight or opts.optimizer_state or opts.scheduler_state
     if not required:
         # Outside stage 16 a missing optimizer/scheduler is only refused when asked for.
