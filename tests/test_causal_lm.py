@@ -237,6 +237,7 @@ def test_pretrained_weights_train_in_training_mode(tmp_path):
     assert first[0.5] != pytest.approx(first[0.0], rel=1e-4), first  # dropout was on
 
 
+@pytest.mark.examples
 def test_example_runs_stages_15_to_18_and_its_export_reloads(tmp_path):
     out = tmp_path / "ex"
     prep = subprocess.run(

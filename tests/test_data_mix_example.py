@@ -28,7 +28,7 @@ def _blocks() -> tuple[list[str], str]:
     return commands, shown[0]
 
 
-@pytest.mark.slow
+@pytest.mark.examples
 def test_the_worked_example_runs_as_written(tmp_path):
     commands, shown = _blocks()
     assert commands[0].startswith("python examples/data_mix/prepare.py")
