@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from wonderland_ds.config import stages
+from wonderland_ds.core.allocator import fix_threshold
 from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import (
     EXIT_REFUSED,
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
     _, _, settings = load_config(args.config, args.stage, None)
     dist.init(settings.process_group_timeout_s)
     startup.freeze_imports()  # torch and DeepSpeed are in: out of the collector's sight
+    from deepspeed.accelerator import get_accelerator
+
+    allocator = fix_threshold(get_accelerator().device_name() == "cpu")  # before the model
     world = dist.world_size()
     run_dir: Path = dist.broadcast(
         resolve_run_dir(args.run_dir, args.resume) if dist.is_main() else Path()
@@ -123,6 +127,7 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
             data_mix=task.meta.get("mix") if st.kind == "train" else None,
             data_mix_change=plan.data_mix if st.kind == "train" else None,
             argv=decided.options.argv(),
+            allocator=allocator,
             stop=None,
             **_allocation_started(run_dir, opts.stage, alloc, first_step),
         )
