@@ -209,3 +209,21 @@ def test_tokenize_bench_small(tmp_path):
     wall = got["wall_s"]  # rounded to 10 ms; the ratio is of the unrounded times
     assert got["time_ratio"] == pytest.approx(wall["tokenize"] / wall["plain"], abs=0.01)
     assert got["peak_rss_mib"]["tokenize"] > 0 and got["peak_rss_mib"]["plain"] > 0
+
+
+@pytest.mark.nightly  # ten launches at a tiny size and four timed ones: about 3.5 minutes
+def test_zero3_defaults_bench_quick(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_zero3_defaults.py", "--quick", "--out", str(out)]
+    got = run_bench(cmd + ["--work", str(tmp_path / "work")], out, 900)
+    mem = got["memory"]
+    assert got["quick"] and set(mem["buckets"]) == {
+        "reduce_bucket_size",
+        "stage3_prefetch_bucket_size",
+    }
+    for side in ("single", "shards", "shards_fixed"):
+        assert mem[f"fall_{side}"] > 0 and len(mem[f"above_baseline_{side}"]) == 2
+    assert mem["allocator"]["big_shards@2"]["mmap_threshold"] is None
+    assert mem["allocator"]["big_shards_fixed@2"]["mmap_threshold"] == 131072
+    assert len(got["step"]["sides_s"]["fixed"]) == len(got["step"]["sides_s"]["glibc"]) == 2
+    assert got["step"]["ratio_paired"] > 0

@@ -361,6 +361,13 @@ class WonderlandSettings(_Strict):
     """Stage 16 refuses a checkpoint with fewer LR-warmup steps behind it (field notes: 500)."""
     process_group_timeout_s: int = Field(600, ge=10)
     """Process-group timeout passed to ``deepspeed.init_distributed`` (field notes: 600 s)."""
+    cpu_mmap_threshold: int | None = Field(None, ge=4096)
+    """Ranks on the CPU: fix glibc's mmap threshold at this many bytes, so freed blocks from
+    that size up go back to the system at once (``MALLOC_MMAP_THRESHOLD_`` in the environment
+    takes precedence). ``131072`` makes ZeRO-3 rank memory fall with the world size; a step
+    with large activations then maps and zeroes them anew each step and runs slower (figures
+    in docs/performance.md). None: glibc's default, whose threshold grows with the first large
+    frees."""
     max_restarts: int = Field(0, ge=0)
     """Relaunch a stage whose rank died or whose process group timed out, from its newest
     complete checkpoint, up to this many times (``--max-restarts`` overrides)."""

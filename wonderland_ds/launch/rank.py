@@ -57,7 +57,8 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
     startup.freeze_imports()  # torch and DeepSpeed are in: out of the collector's sight
     from deepspeed.accelerator import get_accelerator
 
-    allocator = fix_threshold(get_accelerator().device_name() == "cpu")  # before the model
+    on_cpu = get_accelerator().device_name() == "cpu"
+    allocator = fix_threshold(on_cpu, settings.cpu_mmap_threshold)  # before the model
     world = dist.world_size()
     run_dir: Path = dist.broadcast(
         resolve_run_dir(args.run_dir, args.resume) if dist.is_main() else Path()
