@@ -130,7 +130,6 @@ DS_REFUSES = {
     "triangle-batch-micro": {"train_batch_size": 10, "gradient_accumulation_steps": DROP},
     "triangle-batch-grad-acc": {"train_batch_size": 10, "train_micro_batch_size_per_gpu": DROP},
     "auto-micro": {"train_micro_batch_size_per_gpu": "auto"},
-    "auto-grad-acc": {"gradient_accumulation_steps": "auto"},
     "checkpoint-tag_validation-bad": {"checkpoint": {"tag_validation": "Nope"}},
     "optimizer-not-an-object": {"optimizer": "AdamW"},
 }
@@ -141,6 +140,21 @@ def test_what_deepspeed_refuses_we_refuse(changes: dict[str, Any], deepspeed_con
     cfg = mutate(changes)
     assert ds_refusal(deepspeed_config, cfg) is not None, "DeepSpeed accepts it now: move it"
     assert our_errors(cfg), f"DeepSpeed refuses it ({ds_refusal(deepspeed_config, cfg)})"
+
+
+#: Configs DeepSpeed refuses for an "auto" that has a source here: filled before DeepSpeed
+#: sees them, and the filled config is one DeepSpeed accepts.
+DS_REFUSES_WE_FILL = {
+    "auto-grad-acc": {"gradient_accumulation_steps": "auto"},
+}
+
+
+@pytest.mark.parametrize("changes", DS_REFUSES_WE_FILL.values(), ids=DS_REFUSES_WE_FILL)
+def test_an_auto_deepspeed_refuses_is_filled_into_one_it_accepts(changes, deepspeed_config):
+    cfg = mutate(changes)
+    assert ds_refusal(deepspeed_config, cfg) is not None, "DeepSpeed accepts it now: move it"
+    assert our_errors(cfg) == []
+    assert ds_refusal(deepspeed_config, ds_config.deepspeed_dict(cfg, None, 1)) is None
 
 
 #: Configs DeepSpeed takes without a word although they are wrong: what `check` is for.
