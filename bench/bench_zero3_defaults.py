@@ -7,7 +7,8 @@ allocator against a fixed mmap threshold, side by side in one run:
   Llama of ``bench_zero3.py``, its buckets ``"auto"`` (filled from its hidden size), loaded
   from one ``model.safetensors`` and from 100 MB shards, on 4 and 8 ranks, each against the
   same run on the ~4M baseline Llama, glibc's allocator as it comes; and the shards again
-  with ``wonderland.cpu_mmap_threshold`` 131072 (``--threshold``).
+  with ``wonderland.cpu_mmap_threshold`` 131072 (``--threshold``), or with another malloc
+  preloaded (``--preload /usr/lib/x86_64-linux-gnu/libjemalloc.so.2``).
 * step time with and without that threshold: the 7M Llama, 2 ranks, micro 4 x 256, gradient
   checkpointing, alternating, paired ratios.
 
@@ -76,10 +77,16 @@ def auto_config(
     return path
 
 
-def train(cfg: Path, run: Path, steps: int, nproc: int) -> dict:
+PRELOAD: str | None = None
+"""``--preload``: the fixed side runs with this allocator preloaded instead of the threshold."""
+
+
+def train(cfg: Path, run: Path, steps: int, nproc: int, fixed: bool = False) -> dict:
     """One stage 15, the allocator variables out of the environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if fixed and PRELOAD:
+        env["LD_PRELOAD"] = PRELOAD
     cmd = [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(cfg)]
     cmd += ["--run-dir", str(run), "--steps", str(steps), "--nproc", str(nproc)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
@@ -107,10 +114,9 @@ def memory(result: dict, work: Path, ranks_list: tuple[int, ...], threshold: int
     for ranks in ranks_list:
         for name, files, fixed in sides:
             key = f"{name}_{files}{'_fixed' if fixed else ''}@{ranks}"
-            cfg = auto_config(
-                work, key, work / f"{name}_{files}", 64, 1, threshold if fixed else None
-            )
-            got = train(cfg, work / f"run_{key}", 3, ranks)
+            thr = threshold if fixed and not PRELOAD else None
+            cfg = auto_config(work, key, work / f"{name}_{files}", 64, 1, thr)
+            got = train(cfg, work / f"run_{key}", 3, ranks, fixed)
             runs[key] = got
             print(f"{key}: peak {max(got['peak_rss_mb'])} MB {got['allocator']}", flush=True)
     out: dict = {"peak_mb": {k: max(v["peak_rss_mb"]) for k, v in runs.items()}}
@@ -130,13 +136,14 @@ def memory(result: dict, work: Path, ranks_list: tuple[int, ...], threshold: int
 def step(result: dict, work: Path, reps: int, steps: int, warm: int, threshold: int) -> None:
     cfgs = {
         side: auto_config(work, f"step_{side}", work / "long_shards", 256, 4,
-                          threshold if side == "fixed" else None, gradient_checkpointing=True)
+                          threshold if side == "fixed" and not PRELOAD else None,
+                          gradient_checkpointing=True)
         for side in ("fixed", "glibc")
     }  # fmt: skip
     sides: dict[str, list[float]] = {"fixed": [], "glibc": []}
     for rep in range(reps):
         for side in ("fixed", "glibc") if rep % 2 == 0 else ("glibc", "fixed"):
-            got = train(cfgs[side], work / f"step_{side}_{rep}", steps, 2)
+            got = train(cfgs[side], work / f"step_{side}_{rep}", steps, 2, side == "fixed")
             sides[side].append(step_s(got["walls"], warm))
             print(f"rep {rep} {side}: {sides[side][-1]:.4f} s", flush=True)
     result["step"] = {
@@ -158,8 +165,11 @@ def main() -> None:
     ap.add_argument("--parts", default="memory,step")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     ap.add_argument("--threshold", type=int, default=131072, help="the fixed side's threshold")
+    ap.add_argument("--preload", help="the fixed side: this malloc (LD_PRELOAD) instead")
     ap.add_argument("--work", help="working folder (default: a temporary one)")
     args = ap.parse_args()
+    global PRELOAD
+    PRELOAD = args.preload
     if args.quick:
         LLAMA.update(QUICK)
         args.reps, args.steps, args.warm = 2, 3, 1
