@@ -13,7 +13,7 @@ not of a list: one forward of three packed rows whose last document is the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from wonderland_ds.core.findings import Finding
 from wonderland_ds.data.tokens import IGNORE
@@ -21,7 +21,17 @@ from wonderland_ds.data.tokens import IGNORE
 if TYPE_CHECKING:
     import torch
 
-    from wonderland_ds.data.tasks import Task
+
+class _Task(Protocol):
+    """What the probe needs of a ``data.tasks.Task`` (which imports this module)."""
+
+    @property
+    def document_eos(self) -> int | None: ...
+
+    @property
+    def meta(self) -> dict[str, Any]: ...
+
+    def forward(self, model: Any, x: torch.Tensor, y: torch.Tensor) -> Any: ...
 
 
 def positions(y: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +47,7 @@ def positions(y: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx - first, y.masked_fill(start, IGNORE)
 
 
-def refusal(task: Task, model: Any, where: str, file: str = "") -> Finding | None:
+def refusal(task: _Task, model: Any, where: str, file: str = "") -> Finding | None:
     """Why ``model`` cannot keep attention inside documents, or None. Three rows of one
     length end in the same document after different ones (other tokens; other lengths and
     one more boundary): with block-diagonal attention and restarted positions its logits are
