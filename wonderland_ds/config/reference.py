@@ -47,7 +47,7 @@ its fix (exit 2 on an error); `wonderland train` refuses a config that does not 
 
 Types are JSON types; a range is written `[low, high]` (`(` or `)` where the bound itself is
 excluded). This page is generated from the models' field docstrings
-(`wonderland_ds/config/settings.py`, `wonderland_ds/config/ds_models.py`): edit those, then
+(`wonderland_ds/config/settings.py`, `lm_settings.py` and `ds_models.py` beside it): edit those, then
 run `{COMMAND}`.
 """
 
