@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from wonderland_ds.config.settings import HFModel, Mix, TokenFiles, WonderlandSettings
+from wonderland_ds.config.lm_settings import HFModel, Mix, TokenFiles
+from wonderland_ds.config.settings import WonderlandSettings
 from wonderland_ds.core.findings import Finding, Refused
 from wonderland_ds.data import builtin
+from wonderland_ds.data.scans import scan
 from wonderland_ds.data.tasks import Task
-from wonderland_ds.data.tokens import TokenData, expand, open_files, scan
+from wonderland_ds.data.tokens import TokenData, expand, open_files
 from wonderland_ds.model.hf import positions, read_config
 
 NAME = "causal-lm"

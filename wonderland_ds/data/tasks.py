@@ -198,7 +198,7 @@ class Task:
             if self.fingerprint_value is not None:
                 return self
             if not isinstance(self.train, Split):  # token files: the cheap fingerprint
-                from wonderland_ds.data.tokens import fingerprint_of
+                from wonderland_ds.data.scans import fingerprint_of
 
                 fp = fingerprint_of(self.train, self.name)
                 return dataclasses.replace(self, fingerprint_value=fp)

@@ -67,7 +67,7 @@ _FRESH_CACHES: set[tuple[str, int, int, int, int]] = set()
 
 def receipt() -> Receipt:
     """What this process verified (checkpoint and cache hashes, fresh caches, token scans)."""
-    from wonderland_ds.data.tokens import export_scans
+    from wonderland_ds.data.scans import export_scans
 
     return Receipt(
         hashes=export_hashes(),
@@ -79,7 +79,7 @@ def receipt() -> Receipt:
 def take_receipt(got: Receipt) -> None:
     """Files verified elsewhere are not read again here while their size, times and inode
     are unchanged."""
-    from wonderland_ds.data.tokens import import_scans
+    from wonderland_ds.data.scans import import_scans
 
     try:
         import_hashes(got.hashes)
