@@ -345,7 +345,8 @@ RANK_SCRIPT = textwrap.dedent(
             again.write(StepRow(s, loss=10.0 + s, lr=0.001))
         again.close()
         (out / "rows.json").write_text(json.dumps(written))
-    dist.barrier()
+    dist.teardown()  # a barrier, then the group destroyed
+    dist.leave(0)  # no interpreter finalization left to meet a gloo thread
     """
 )
 

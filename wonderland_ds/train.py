@@ -109,15 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
     # Every rank reached the same end and tore its process groups down behind a barrier; all
-    # files are closed. Leave without interpreter finalization: objects still holding gloo's
-    # C++ threads were destroyed there once in a while, aborting a rank whose stage had
-    # succeeded ("terminate called without an active exception", exit -6).
-    # Under mpirun the MPI runtime must still be finalized (mpi4py does it at exit otherwise).
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # files are closed: leave without interpreter finalization.
+    from wonderland_ds.core import distributed
+
+    distributed.leave(main())

@@ -210,7 +210,8 @@ def main() -> None:
     dist.init(60)
     result = {"collectives": collectives, "async-save": async_save}[check](out, rank, world)
     (out / f"{check}-rank{rank}.json").write_text(json.dumps(result, indent=2))
-    dist.teardown()  # a barrier, then the group destroyed: no gloo thread left to the exit
+    dist.teardown()  # a barrier, then the group destroyed
+    dist.leave(0)  # no interpreter finalization left to meet a gloo thread
 
 
 if __name__ == "__main__":

@@ -114,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    dist.leave(0)

@@ -192,6 +192,21 @@ def teardown(agreed: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def leave(code: int = 0) -> None:
+    """End a rank after ``teardown``: flush, finalize MPI under mpirun, ``os._exit``. Objects
+    still holding gloo's C++ threads were destroyed in interpreter finalization once in a
+    while, aborting a rank whose work had succeeded ("terminate called without an active
+    exception", exit -6); skipping finalization leaves nothing for them to do."""
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce_sum(tensor: Any) -> Any:
     """In-place sum across ranks (no-op on one process)."""
     if active():
