@@ -115,6 +115,17 @@ def hostname() -> str:
 HOSTS: list[str] = []
 
 
+LAUNCHER_ENV = (
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "LOCAL_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+)
+
+
 def rank_info() -> dict[str, Any]:
     """Where this rank runs and what reached it: host, pid, the timeout its process groups
     really got, and the launch environment carried to every node (.deepspeed_env)."""
@@ -129,6 +140,9 @@ def rank_info() -> dict[str, Any]:
         "pid": os.getpid(),
         "process_group_timeout_s": c10d.default_pg_timeout.total_seconds(),
         "env": {k: os.environ[k] for k in sorted(keys) if k in os.environ},
+        # Who started this rank: DeepSpeed's per-node launch.py (node rank and count), mpirun
+        # or srun, as each leaves its own variables behind.
+        "launched_by": {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ},
     }
 
 
