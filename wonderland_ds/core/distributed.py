@@ -127,8 +127,9 @@ LAUNCHER_ENV = (
 
 
 def rank_info() -> dict[str, Any]:
-    """Where this rank runs and what reached it: host, pid, the timeout its process groups
+    """Where this rank runs and what reached it: host, pid, accelerator, the timeout its process groups
     really got, and the launch environment carried to every node (.deepspeed_env)."""
+    from deepspeed.accelerator import get_accelerator
     from torch.distributed import distributed_c10d as c10d
 
     keys = {"MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", *CARRIED_ENV}
@@ -138,6 +139,7 @@ def rank_info() -> dict[str, Any]:
         "host": hostname(),
         "local_rank": local_rank(),
         "pid": os.getpid(),
+        "accelerator": get_accelerator().device_name(),  # "cuda", or "cpu" after a fallback
         "process_group_timeout_s": c10d.default_pg_timeout.total_seconds(),
         "env": {k: os.environ[k] for k in sorted(keys) if k in os.environ},
         # Who started this rank: DeepSpeed's per-node launch.py (node rank and count), mpirun

@@ -306,6 +306,8 @@ class Trainer:
             "data_stall_fraction": round(checks.wait_total / max(checks.step_total, 1e-9), 6),
             "guard_events": checks.guards.summary(),
             "save_blocked_s": [round(b, 4) for b in self.saver.blocked],
+            # Rank 0: the last complete save, start to `latest` (None elsewhere or unsaved).
+            "last_save_s": None if self.saver.save_s is None else round(self.saver.save_s, 4),
             "rollbacks": checks.guards.rollbacks,
             "checkpoint": str(self.run.ckpt_root / ck.tag_for(step)),
             "data_mix": self.run.task.meta.get("mix"),
