@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 #: Families whose skip in CI would hide that they never ran.
-CI_FAMILIES = ("slurm", "matrix", "multinode", "downstream", "examples")
+CI_FAMILIES = ("slurm", "matrix", "multinode", "downstream", "examples", "bench")
 
 
 def in_ci() -> bool:
@@ -58,7 +58,7 @@ def ci_failure(node: Any, reason: str) -> str | None:
         return f"the {family} family was skipped in CI: {reason}"
     if reason.startswith("could not import"):
         return f"a dependency did not import in CI: {reason}"
-    if "gpu" in marks and Path("/dev/nvidia0").exists():
+    if "gpu" in marks and Path("/dev/nvidia0").exists() and reason.startswith("needs a CUDA GPU"):
         return f"an NVIDIA device is here but the gpu test was skipped: {reason}"
     return None
 

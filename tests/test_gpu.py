@@ -1,8 +1,9 @@
 """The device path, on a CUDA GPU: fp16 loss scaling through a real stage, NCCL all-reduces
 of the guards' check, and an async save that takes no device memory.
 
-Marked ``gpu``: conftest.py skips them, naming why, where torch sees no CUDA device. They use
-as many ranks as there are GPUs, up to 2 (NCCL refuses two ranks on one device).
+Marked ``gpu``: conftest.py skips them, naming why, where torch sees no CUDA device. A check
+across ranks needs two GPUs (NCCL refuses two ranks on one device) and says so on one; the
+one-device tests prove what one device can. Each check's negative control runs anywhere.
 """
 
 from __future__ import annotations
@@ -67,6 +68,30 @@ def run_ranks(check: str, out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(world)]
 
 
+def not_on_cuda(table: list[dict]) -> list[dict]:
+    """The ranks of a ``ranks.json`` whose accelerator is not CUDA (a fallback to the CPU)."""
+    return [x for x in table if x.get("accelerator") != "cuda"]
+
+
+INITIAL_SCALE_POWER = 32  # 2^32: the first steps' fp16 gradients overflow for certain
+
+
+def scale_problems(meta: dict, steps: int) -> list[str]:
+    """What says the dynamic loss scale did not work: it must have come down from 2^32 by
+    halvings, over skipped (overflowed) steps, fewer than all of them."""
+    scale, skipped = meta.get("loss_scale"), meta.get("skipped_steps")
+    problems = []
+    if meta.get("precision") != "fp16":
+        problems.append(f"precision {meta.get('precision')}, not fp16")
+    if scale is None or not 1 <= scale < 2**INITIAL_SCALE_POWER:
+        problems.append(f"loss scale {scale} did not come down from 2^{INITIAL_SCALE_POWER}")
+    elif not math.log2(scale).is_integer():
+        problems.append(f"loss scale {scale} is not a power of two")
+    if not isinstance(skipped, int) or not 1 <= skipped < steps:
+        problems.append(f"{skipped} skipped steps (an overflow skips; not every step may)")
+    return problems
+
+
 # ------------------------------------------------------------ the skip itself (runs anywhere)
 
 
@@ -104,20 +129,45 @@ def test_gpu_marker_is_skipped_without_cuda_and_says_why(monkeypatch):
     assert again.added == []
 
 
+def test_the_cuda_check_fails_on_this_machines_own_rank_record():
+    """The fallback's control: the rank record a stage writes, made here. On a CPU it names
+    the CPU, and the check the fp16 test applies fails on it."""
+    from wonderland_ds.core import distributed as dist
+
+    mine = dist.rank_info()
+    assert mine["accelerator"] in ("cpu", "cuda")
+    assert not_on_cuda([mine]) == ([] if mine["accelerator"] == "cuda" else [mine])
+    assert not_on_cuda([{**mine, "accelerator": "cpu"}]) and not not_on_cuda(
+        [{**mine, "accelerator": "cuda"}]
+    )
+
+
+def test_the_loss_scale_check_fails_on_a_scale_that_never_moved():
+    """The loss-scale check's controls: the initial scale unchanged with no skipped step, a
+    skip on every step, a scale not a power of two, a bf16 run: each fails; a scale that came
+    down over some skipped steps passes."""
+    good = {"precision": "fp16", "loss_scale": 2.0**15, "skipped_steps": 17}
+    assert scale_problems(good, 40) == []
+    assert scale_problems({**good, "loss_scale": 2.0**32, "skipped_steps": 0}, 40)
+    assert scale_problems({**good, "skipped_steps": 40}, 40)
+    assert scale_problems({**good, "loss_scale": 3000.0}, 40)
+    assert scale_problems({**good, "precision": "bf16", "loss_scale": None}, 40)
+
+
 # ------------------------------------------------------------ on a GPU
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_fp16_loss_scaling_in_a_short_stage_on_cuda(tmp_path):
-    """Stage 15 in fp16 with DeepSpeed's dynamic loss scale (2^16 to start): the scale comes
-    down to one the digits model does not overflow at, overflowed steps are skipped and
-    counted, and the loss still falls."""
+    """Stage 15 in fp16 with DeepSpeed's dynamic loss scale from 2^32: the first steps
+    overflow, are skipped and counted, the scale halves down to one the digits model does not
+    overflow at, and the loss still falls. Every rank ran on CUDA, as its record says."""
     cfg = json.loads(Path(TINY32).read_text())
     cfg["fp16"] = {
         "enabled": True,
         "loss_scale": 0,
-        "initial_scale_power": 16,
+        "initial_scale_power": INITIAL_SCALE_POWER,
         "loss_scale_window": 100,
         "hysteresis": 2,
         "min_loss_scale": 1,
@@ -125,6 +175,7 @@ def test_fp16_loss_scaling_in_a_short_stage_on_cuda(tmp_path):
     config = tmp_path / "fp16.json"
     config.write_text(json.dumps(cfg))
     run = tmp_path / "run"
+    steps = 40
     r = wonderland(
         "train",
         "--stage",
@@ -136,22 +187,19 @@ def test_fp16_loss_scaling_in_a_short_stage_on_cuda(tmp_path):
         "--nproc",
         str(gpus()),
         "--steps",
-        "30",
+        str(steps),
         timeout=600,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "Setting accelerator to CPU" not in out  # DeepSpeed really took the GPU
+    table = json.loads((run / "stage15" / "ranks.json").read_text())
+    assert table and not_on_cuda(table) == [], table  # DeepSpeed really took the GPU
     root = run / "stage15" / "checkpoints"
-    meta = json.loads((root / "global_step30" / "wonderland_meta.json").read_text())
-    assert meta["precision"] == "fp16"
-    scale = meta["loss_scale"]
-    assert scale is not None and 1 <= scale <= 2**16, scale
-    assert math.log2(scale).is_integer(), scale  # dynamic scaling halves and doubles
-    assert isinstance(meta["skipped_steps"], int) and 0 <= meta["skipped_steps"] < 30
+    meta = json.loads((root / f"global_step{steps}" / "wonderland_meta.json").read_text())
+    assert scale_problems(meta, steps) == [], meta
     with open(run / "stage15" / "metrics.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert [int(row["step"]) for row in rows] == list(range(1, 31))
+    assert [int(row["step"]) for row in rows] == list(range(1, steps + 1))
     loss = [float(row["loss"]) for row in rows]
     assert all(math.isfinite(x) for x in loss), loss
     assert sum(loss[-5:]) < sum(loss[:5]), loss
@@ -165,16 +213,33 @@ def test_fp16_loss_scaling_in_a_short_stage_on_cuda(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_guard_check_matrix_all_reduces_over_nccl(tmp_path):
-    """The process group on CUDA carries NCCL for device tensors and gloo for the CPU matrix
-    of the guards' check: both sum the matrix exactly, and the start check passes on NCCL."""
-    world = gpus()
-    results = run_ranks("collectives", tmp_path, world)
+def test_guard_check_matrix_all_reduces_across_two_gpus_over_nccl(tmp_path):
+    """Two ranks, one GPU each: the process group carries NCCL for device tensors and gloo for
+    the CPU matrix of the guards' check; both sum the matrix exactly across the ranks, and the
+    start check passes on NCCL. NCCL refuses two ranks on one device, so one GPU cannot prove
+    this: the test below proves what one device can."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for a cross-rank all-reduce; {torch.cuda.device_count()} here")
+    results = run_ranks("collectives", tmp_path, 2)
     for r, got in enumerate(results):
         assert "nccl" in got["backend"] and "gloo" in got["backend"], got
         assert got["device"].startswith("cuda"), got
         assert got["cpu_sum_exact"] and got["device_sum_exact"], (r, got)
-        assert got["allreduce_ok"] == [True] * world and got["events"] == [], got
+        assert got["allreduce_ok"] == [True, True] and got["events"] == [], got
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_guard_check_groups_come_up_on_one_gpu(tmp_path):
+    """What one device proves (no cross-rank claim: world 1): the NCCL and gloo groups come up
+    on CUDA, the matrix goes through both, and the start check passes."""
+    (got,) = run_ranks("collectives", tmp_path, 1)
+    assert "nccl" in got["backend"] and "gloo" in got["backend"], got
+    assert got["device"].startswith("cuda"), got
+    assert got["cpu_sum_exact"] and got["device_sum_exact"] and got["allreduce_ok"] == [True]
+    assert got["events"] == [], got
 
 
 @pytest.mark.gpu
