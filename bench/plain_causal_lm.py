@@ -54,6 +54,7 @@ def main() -> None:
         for _ in range(gas):
             starts = rng.integers(0, len(data) - length, micro)
             x = torch.from_numpy(np.stack([data[s : s + length] for s in starts]).astype(np.int64))
+            x = x.to(engine.device)
             out = engine(input_ids=x, attention_mask=torch.ones_like(x), labels=x)
             engine.backward(out.loss)
             engine.step()
