@@ -1,4 +1,5 @@
-"""The benchmarks in bench/ keep working: each runs once, tiny, and its JSON is checked.
+"""The benchmarks in bench/ keep working: each runs once, tiny, and its JSON is checked
+(the `bench` family, which CI runs; the quickest stay in the default suite).
 
 The figures themselves come from full runs (docs/performance.md); these only prove the scripts run
 end to end and measure every side they claim to.
@@ -39,7 +40,7 @@ SIDES = (
 )
 
 
-@pytest.mark.nightly  # a full engine start per side; the other benches' smokes stay default
+@pytest.mark.bench  # a full engine start per side; the other benches' smokes stay default
 def test_engine_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "r.json"
     cmd = [
@@ -87,7 +88,7 @@ def test_engine_bench_one_tiny_repetition(tmp_path):
     assert save["wl_complete_s"][0] >= save["wl_blocked_s"][0]
 
 
-@pytest.mark.nightly
+@pytest.mark.bench
 def test_loader_bench_one_tiny_repetition():
     cmd = [sys.executable, "bench/bench_loader.py", "--reps", "1", "--samples", "256"]
     r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
@@ -95,7 +96,7 @@ def test_loader_bench_one_tiny_repetition():
     assert "samples/s" in r.stdout, r.stdout[-2000:]
 
 
-@pytest.mark.nightly
+@pytest.mark.bench
 def test_check_allreduce_bench_one_tiny_run(tmp_path):
     out = tmp_path / "ar.json"
     cmd = [
@@ -119,7 +120,7 @@ def test_check_allreduce_bench_one_tiny_run(tmp_path):
         assert all(v["median_us"] > 0 and v["mean_us"] > 0 for v in rank.values())
 
 
-@pytest.mark.nightly
+@pytest.mark.bench
 def test_parts_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "parts.json"
     cmd = [
@@ -169,7 +170,7 @@ def test_resume_timeline_gc_timer_counts_collections_by_role_up_to_the_first_ste
     assert gc_seconds(logs, until=0.0) == {"rank1": 0.0}
 
 
-@pytest.mark.nightly
+@pytest.mark.bench
 def test_reshard_bench_one_tiny_repetition(tmp_path):
     out = tmp_path / "reshard.json"
     cmd = [sys.executable, "bench/bench_reshard.py", "--dim", "64", "--layers", "1"]
@@ -181,7 +182,7 @@ def test_reshard_bench_one_tiny_repetition(tmp_path):
     assert s["ratio_median"] > 0 and s["cold_read_vs_disk_read_paired_median"] > 0
 
 
-@pytest.mark.nightly  # six launches and two lm-eval runs: about 2 minutes
+@pytest.mark.bench  # six launches and two lm-eval runs: about 2 minutes
 def test_lm_eval_bench_quick(tmp_path):
     out = tmp_path / "r.json"
     got = run_bench(
@@ -211,7 +212,7 @@ def test_tokenize_bench_small(tmp_path):
     assert got["peak_rss_mib"]["tokenize"] > 0 and got["peak_rss_mib"]["plain"] > 0
 
 
-@pytest.mark.nightly  # ten launches at a tiny size and four timed ones: about 3.5 minutes
+@pytest.mark.bench  # ten launches at a tiny size and four timed ones: about 3.5 minutes
 def test_zero3_defaults_bench_quick(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "bench/bench_zero3_defaults.py", "--quick", "--out", str(out)]
@@ -227,3 +228,69 @@ def test_zero3_defaults_bench_quick(tmp_path):
     assert mem["allocator"]["big_shards_fixed@2"]["mmap_threshold"] == 131072
     assert len(got["step"]["sides_s"]["fixed"]) == len(got["step"]["sides_s"]["glibc"]) == 2
     assert got["step"]["ratio_paired"] > 0
+
+
+@pytest.mark.bench  # eight tiny launches and a resume: about 1.5 minutes
+def test_gpu_script_runs_its_whole_path_at_a_tiny_size(tmp_path):
+    """bench/gpu.sh as the GPU host will run it, at ``GPU_BENCH_SIZE=tiny`` on this CPU: the
+    gpu tests (they skip here, said in the record), both ZeRO stages' paired sides, the save
+    and the resume; the JSON and the table carry every figure."""
+    out = tmp_path / "gpu"
+    env = dict(ENV, GPU_BENCH_SIZE="tiny")
+    r = subprocess.run(["bash", "bench/gpu.sh", str(out)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    got = json.loads((out / "gpu.json").read_text())
+    assert got["size"] == "tiny" and got["not_run"] == [] and got["seconds"] < 540, got
+    assert got["tests"]["rc"] == 0 and "skipped" in got["tests"]["summary"], got["tests"]
+    assert (out / "gpu_tests.xml").exists()
+    for zero in ("2", "3"):
+        row = got["zero"][zero]
+        assert len(row["sides"]["wonderland"]) == len(row["sides"]["plain"]) == 2, row
+        assert row["wonderland_tokens_s"] > 0 and row["plain_tokens_s"] > 0
+        assert 0.5 < row["ratio_paired"] < 2, row  # both sides trained the same model
+        assert row["mfu_wonderland"] is None  # no bf16 peak for a CPU: not made up
+    sr = got["save_resume"]
+    assert sr["checkpoint_bytes"] > got["setup"]["params"] * 12  # weights and Adam's moments
+    assert sr["save_s"] > 0 and sr["launch_to_first_step_s"] > 0 and sr["disk_write_Bps"] > 0
+    table = (out / "gpu_table.md").read_text()
+    assert "| 2 | " in table and "| 3 | " in table and "Save: " in table, table
+
+
+@pytest.mark.bench
+def test_gpu_bench_names_what_its_time_budget_left_out(tmp_path):
+    """The budget's control: with none left, no launch starts and the record says what did
+    not run, rather than a table of made-up figures."""
+    out = tmp_path / "gpu"
+    cmd = [sys.executable, "bench/bench_gpu.py", "--size", "tiny", "--budget-s", "0"]
+    got = run_bench([*cmd, "--out", str(out)], out / "gpu.json", 300)
+    assert len(got["not_run"]) == 9, got["not_run"]  # 2 x 4 sides, then save and resume
+    assert "save_resume" not in got
+    assert "| 2 | not run |" in (out / "gpu_table.md").read_text()
+
+
+@pytest.mark.bench  # four sides of a tiny GPT-2 and the front's check: about a minute
+def test_causal_lm_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_causal_lm.py", "--reps", "1", "--steps", "6"]
+    cmd += ["--warm", "2", "--vocab", "512", "--seq-len", "32", "--work", str(tmp_path / "w")]
+    got = run_bench([*cmd, "--out", str(out)], out, 600)
+    assert set(got["sides"]) == {"wonderland", "plain", "wonderland_4GB", "plain_again"}
+    assert all(len(v) == 1 and v[0]["step_s"] > 0 for v in got["sides"].values()), got["sides"]
+    step = got["step"]
+    assert step["ratio_paired"] > 0 and step["noise_floor_plain_again"] > 0, step
+    mem = got["memory"]
+    assert mem["rank_peak_rss_mb_4GB_median"] > 0 and mem["run_dir_data_bytes_4GB"] == 0, mem
+    assert got["front_check"]["big"]["samples"] > got["front_check"]["small"]["samples"] > 0
+
+
+@pytest.mark.bench  # a stage 15, then four resumes of a small GPT: under a minute
+def test_resume_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_resume.py", "--dim", "64", "--layers", "2"]
+    got = run_bench([*cmd, "--reps", "1", "--out", str(out)], out, 600)
+    summary = got["summary"]
+    for side in ("wonderland_same", "deepspeed_same", "wonderland_changed", "deepspeed_changed"):
+        assert summary[side]["median_s"] > 0, summary
+    assert summary["ratio_same"]["paired_median"] > 0 and summary["ratio_changed"]["median"] > 0
+    assert got["checkpoint_bytes"] > 0 and got["disk"]["write_Bps"] > 0

@@ -52,6 +52,7 @@ def test_ci_stops_at_a_failing_lint_step(tmp_path):
         "pytest -m matrix",
         "pytest -m downstream",
         "pytest -m examples",
+        "pytest -m bench",
     ]
 
 
