@@ -95,6 +95,10 @@ def test_architecture_runs_stages_15_to_18(tmp_path, arch, zero):
     cfg, run_dir = setup(tmp_path, arch, zero), tmp_path / "run"
     run(15, cfg, run_dir, 1)
     run(16, cfg, run_dir, 2)  # resharded from 1 rank to 2
+    entry = json.loads((run_dir / "run.json").read_text())["stages"]["16"]
+    resume = entry["resume"]
+    assert entry["world_size"] == 2 and resume["load"] == "resharded", entry
+    assert resume["from_world_size"] == 1 and len(resume["bytes_read"]) == 2, resume
     run(17, cfg, run_dir, 2)
     run(18, cfg, run_dir, 1)
     rows = list(csv.DictReader((run_dir / "stage16" / "metrics.csv").open()))

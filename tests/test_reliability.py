@@ -570,16 +570,6 @@ def test_damaged_checkpoints_are_refused_by_train(capsys, src, tmp_path, name):
     assert not (tmp_path / "PWNED").exists()
 
 
-def test_sweep_counts():
-    """The counts docs/reliability.md reports for row 7."""
-    n_configs = len(CONFIG_CASES) + len(WONDERLAND_CASES) + len(MALFORMED) + 2
-    assert n_configs >= 50 and len(BROKEN_HOSTFILES) >= 10 and len(DAMAGED) >= 10
-    print(
-        f"row 7: {n_configs} configs, {len(BROKEN_HOSTFILES)} hostfiles, {len(DAMAGED)} damaged"
-        f" checkpoints, {len(BAD_FLAGS) + 5} flag combinations"
-    )
-
-
 @pytest.mark.slow
 def test_refusals_in_a_real_process_print_no_traceback(stage15_fp32, tmp_path):
     """A few of the sweep through a real `wonderland` process: exit 2 and no traceback."""

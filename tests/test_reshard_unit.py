@@ -26,13 +26,36 @@ def _group(rng: random.Random, n: int) -> list[zp.ParamSpan]:
 
 
 def _partition(family, group, world, rank, values, pad=np.nan):
-    """Rank ``rank``'s flat partition built from the parameters' full values."""
-    out = np.full(zp.partition_numel(family, group, world), pad)
-    for pc in zp.pieces(family, group, world, rank):
-        out[pc.flat_start : pc.flat_start + pc.numel] = values[pc.name][
-            pc.param_start : pc.param_start + pc.numel
-        ]
-    return out
+    """Rank ``rank``'s flat partition as DeepSpeed lays it out, written here from its rules and
+    not from the code under test. ZeRO-1/2: the group's parameters flattened in order, padded
+    to a multiple of 2 x world, split in equal slices. ZeRO-3: each parameter on its own, split
+    in slices of ceil(numel / world), the last padded; a rank's slices concatenated."""
+    if family == "zero12":
+        flat = np.concatenate([values[p.name] for p in group])
+        align = 2 * world
+        padded = np.full(-(-len(flat) // align) * align, pad)
+        padded[: len(flat)] = flat
+        size = len(padded) // world
+        return padded[rank * size : (rank + 1) * size]
+    out = []
+    for p in group:
+        size = -(-p.numel // world)
+        piece = np.full(size, pad)
+        mine = values[p.name][rank * size : (rank + 1) * size]
+        piece[: len(mine)] = mine
+        out.append(piece)
+    return np.concatenate(out)
+
+
+def _rebuild(family, old, new, old_world, world, rank, saved, mutate=None):
+    got = np.zeros(zp.partition_numel(family, new, world))
+    read = 0
+    for i, c in enumerate(zp.transfers(family, old, new, old_world, world, rank)):
+        if mutate is not None and i == 0:
+            c = mutate(c)
+        got[c.dst : c.dst + c.numel] = saved[c.rank][c.src : c.src + c.numel]
+        read += c.numel
+    return got, read
 
 
 @pytest.mark.parametrize("family", ["zero12", "zero3"])
@@ -45,16 +68,31 @@ def test_transfers_rebuild_every_new_partition_reading_only_its_share(family, ol
         new = old if trial % 2 else rng.sample(old, len(old))  # ZeRO-3 sub-groups may reorder
         saved = [_partition(family, old, old_world, r, values) for r in range(old_world)]
         for rank in range(world):
-            got = np.zeros(zp.partition_numel(family, new, world))
-            read = 0
-            for c in zp.transfers(family, old, new, old_world, world, rank):
-                got[c.dst : c.dst + c.numel] = saved[c.rank][c.src : c.src + c.numel]
-                read += c.numel
+            got, read = _rebuild(family, old, new, old_world, world, rank, saved)
             want = _partition(family, new, world, rank, values, pad=0.0)
             assert np.array_equal(got, want), (trial, rank)
             # Nothing but this rank's own elements is read (no padding, no neighbour's data).
-            assert read == sum(pc.numel for pc in zp.pieces(family, new, world, rank))
-            assert not np.isnan(got).any()
+            mine = _partition(family, new, world, rank, values)  # NaN where DeepSpeed pads
+            assert read == np.count_nonzero(~np.isnan(mine)) and not np.isnan(got).any()
+
+
+@pytest.mark.parametrize("family", ["zero12", "zero3"])
+def test_a_mutated_transfer_is_caught(family):
+    """The control: one copy read one element off, or from the wrong source rank, and the
+    rebuilt partition no longer equals DeepSpeed's layout."""
+    rng = random.Random(family)
+    old = _group(rng, 6)
+    values = {p.name: np.arange(p.numel) + 1000.0 * i for i, p in enumerate(old)}
+    saved = [_partition(family, old, 3, r, values, pad=-1.0) for r in range(3)]
+    want = _partition(family, old, 2, 1, values, pad=0.0)
+    got, _ = _rebuild(family, old, old, 3, 2, 1, saved)
+    assert np.array_equal(got, want)
+    for mutate in (
+        lambda c: zp.Copy(c.rank, c.src + 1, c.dst, c.numel),
+        lambda c: zp.Copy((c.rank + 1) % 3, c.src, c.dst, c.numel),
+    ):
+        bad, _ = _rebuild(family, old, old, 3, 2, 1, saved, mutate)
+        assert not np.array_equal(bad, want)
 
 
 def test_partition_sizes_follow_deepspeeds_alignment():
