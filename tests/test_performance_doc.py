@@ -1,0 +1,80 @@
+"""docs/performance.md's commands run as written: every ``bench/`` script it names exists, and
+each command line it gives parses with that script's own flags (none missing, none unknown)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.util import REPO
+
+PAGE = REPO / "docs" / "performance.md"
+# Stops a script right after its flags parse: the command is valid, nothing is run.
+PARSE_ONLY = """
+import argparse, os, runpy, sys
+original = argparse.ArgumentParser.parse_args
+def parse(self, args=None, namespace=None):
+    original(self, args, namespace)
+    print("PARSED", flush=True)
+    os._exit(0)
+argparse.ArgumentParser.parse_args = parse
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
+"""
+# The page's placeholders, as a reader fills them in.
+FILL = {"Z": "2", "CKPT": "/tmp/ckpt/global_step10", "R.json": "/tmp/r.json"}
+
+
+def commands() -> list[str]:
+    """Each command line of the page that runs a bench/ Python script, continuations joined."""
+    text = PAGE.read_text(encoding="utf-8").replace("\\\n", " ")
+    found = []
+    for block in re.findall(r"```\n(.*?)```", text, re.S):
+        found += [line.strip() for line in block.splitlines() if "bench/" in line]
+    prose = re.sub(r"```\n.*?```", "", text, flags=re.S).splitlines()
+    # indented blocks (inside a list item), then commands in running text (may wrap a line)
+    found += [ln.strip() for ln in prose if ln.startswith("    ") and "bench/" in ln]
+    inline = r"`([^`\n]*bench/\w+\.py[^`\n]*(?:\n[^`\n]*)?)`"
+    found += [c for c in re.findall(inline, "\n".join(prose)) if " " in c]
+    found = [c.split(" #")[0] for c in found]  # a trailing comment
+    return [" ".join(c.split()) for c in dict.fromkeys(found) if re.search(r"bench/\w+\.py", c)]
+
+
+def test_the_page_gives_commands():
+    got = commands()
+    assert len(got) >= 12, got
+    assert any("bench_engine.py" in c for c in got) and any("bench_zero3.py" in c for c in got)
+
+
+def parse(command: str) -> subprocess.CompletedProcess:
+    """The command's script, run only until its flags parse."""
+    words = command.split()
+    at = next(i for i, w in enumerate(words) if re.fullmatch(r"bench/\w+\.py", w))
+    script = REPO / words[at]
+    assert script.exists(), command
+    args = [FILL.get(w, w) for w in words[at + 1 :]]
+    if "deepspeed" in words[:at]:
+        args.append("--local_rank=0")  # what DeepSpeed's launcher adds (torchrun: the env)
+    return subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, str(script), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("command", commands())
+def test_command_parses_as_written(command):
+    r = parse(command)
+    assert r.returncode == 0 and "PARSED" in r.stdout, (command, r.stderr[-2000:])
+
+
+@pytest.mark.bench
+def test_a_command_without_a_required_flag_fails():
+    """The control: the resume benchmark's command without its ``--out`` does not parse."""
+    r = parse("python bench/bench_resume.py --reps 6")
+    assert r.returncode == 2 and "PARSED" not in r.stdout and "--out" in r.stderr, r.stderr
