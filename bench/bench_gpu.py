@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +34,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from disk import read_speed, write_speed  # noqa: E402
+from bench_resume import BIN, disk_speeds, first_step_wall, run, tree_bytes  # noqa: E402
 
-BIN = Path(sys.executable).parent
 SIZES = {
     # ~1B: 16 layers of 2048 (Llama-style MLP 5504), vocabulary 32000, 4 x 1024 tokens a micro
     # batch, 2 micro batches a step.
@@ -108,20 +106,6 @@ def prepare(work: Path, size: dict) -> dict:
     return {"configs": configs, "params": params, "embedding_params": embedding}
 
 
-def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO))
-
-
-def launch(cmd: list[str], log: Path) -> float:
-    """Start time (wall clock); exits with the log's tail when the command fails."""
-    t0 = time.time()
-    with open(log, "w") as fh:
-        done = subprocess.run(cmd, cwd=REPO, env=env(), stdout=fh, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{log.read_text()[-3000:]}")
-    return t0
-
-
 def step_s(walls: list[float], warm: int) -> float:
     return (walls[-1] - walls[warm - 1]) / (len(walls) - warm)
 
@@ -131,15 +115,14 @@ def metrics_walls(run: Path, stage: int) -> list[float]:
         return [float(r["wall"]) for r in csv.DictReader(fh)]
 
 
-def wonderland_side(config: Path, run: Path, size: dict) -> dict:
+def wonderland_side(config: Path, folder: Path, size: dict) -> dict:
     cmd = [str(BIN / "wonderland"), "train", "--stage", "15", "--config", str(config)]
-    launch([*cmd, "--run-dir", str(run), "--nproc", "1"], run.with_suffix(".log"))
-    stage = json.loads((run / "run.json").read_text())["stages"]["15"]
-    ckpt = Path(stage["checkpoint"])
+    run([*cmd, "--run-dir", str(folder), "--nproc", "1"], folder.with_suffix(".log"))
+    stage = json.loads((folder / "run.json").read_text())["stages"]["15"]
     return {
-        "step_s": step_s(metrics_walls(run, 15), size["warm"]),
+        "step_s": step_s(metrics_walls(folder, 15), size["warm"]),
         "last_save_s": stage["last_save_s"],
-        "checkpoint_bytes": sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file()),
+        "checkpoint_bytes": tree_bytes(Path(stage["checkpoint"])),
     }
 
 
@@ -148,7 +131,7 @@ def plain_side(config: Path, out: Path, size: dict) -> dict:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "1", "--no_ssh_check", "--master_addr"]
     cmd += ["127.0.0.1", "--master_port", port, str(REPO / "bench" / "plain_causal_lm.py")]
     cmd += ["--config", str(config), "--steps", str(size["steps"]), "--out", str(out)]
-    launch(cmd, out.with_suffix(".log"))
+    run(cmd, out.with_suffix(".log"))
     return {"step_s": step_s(json.loads(out.read_text())["walls"], size["warm"])}
 
 
@@ -197,12 +180,12 @@ def main() -> None:
             if side == "plain":
                 got = plain_side(prep["configs"][zero], work / f"plain{zero}_{i}.json", size)
             else:
-                run = work / f"wonderland{zero}_{i}"
-                got = wonderland_side(prep["configs"][zero], run, size)
+                folder = work / f"wonderland{zero}_{i}"
+                got = wonderland_side(prep["configs"][zero], folder, size)
                 if zero == 2 and keep is None:
-                    keep = run
+                    keep = folder
                 else:
-                    shutil.rmtree(run)  # a 1B checkpoint is 14 GB: keep one
+                    shutil.rmtree(folder)  # a 1B checkpoint is 14 GB: keep one
             longest = max(longest, time.time() - t0)
             sides[side].append(got)
             print(f"zero{zero} {side}: {got}", flush=True)
@@ -223,14 +206,13 @@ def main() -> None:
         result["zero"][str(zero)] = row
     if keep is not None and time.time() - t_start + longest <= args.budget_s:
         first = result["zero"]["2"]["sides"]["wonderland"][0]
-        write = write_speed(work, size["disk_mb"], keep=True)
-        read, cold = read_speed(work / "dd.bin")
-        (work / "dd.bin").unlink()
+        disk = disk_speeds(work, size["disk_mb"])
+        write, read = disk["write_Bps"], disk["read_Bps"]
         config = prep["configs"][2]
         cmd = [str(BIN / "wonderland"), "train", "--stage", "16", "--config", str(config)]
         cmd += ["--run-dir", str(keep), "--resume", "auto", "--nproc", "1"]
-        t0 = launch(cmd, work / "resume.log")
-        resumed = metrics_walls(keep, 16)[0] - t0
+        t0 = run(cmd, work / "resume.log")
+        resumed = first_step_wall(keep, 16) - t0
         result["save_resume"] = {
             "checkpoint_bytes": first["checkpoint_bytes"],
             "save_s": first["last_save_s"],
@@ -239,7 +221,7 @@ def main() -> None:
             "disk_read_s": first["checkpoint_bytes"] / read,
             "disk_write_Bps": write,
             "disk_read_Bps": read,
-            "read_cold": cold,
+            "read_cold": disk["read_cold"],
         }
     else:
         result["not_run"].append("save and resume: the time budget or no ZeRO-2 run")

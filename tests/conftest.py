@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 #: Families whose skip in CI would hide that they never ran.
-CI_FAMILIES = ("slurm", "matrix", "multinode", "downstream", "examples", "bench")
+CI_FAMILIES = ("slurm", "matrix", "multinode", "downstream", "examples", "bench", "proofs")
 
 
 def in_ci() -> bool:

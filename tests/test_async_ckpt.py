@@ -297,7 +297,7 @@ def test_serialized_held_tensors_hold_the_fence_until_written(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_held_save_writes_what_deepspeeds_own_save_writes(tmp_path):
     """Real DeepSpeed, 2 gloo ranks, ZeRO-1/2/3, bf16: wonderland's save at step 2 holds the
     live parameters and optimizer state while 3 more steps run (the writer made slow, so the

@@ -47,6 +47,7 @@ def test_ci_stops_at_a_failing_lint_step(tmp_path):
     assert rc == 0, ran
     assert [line for line in ran if line.startswith("pytest")] == [
         "pytest ",
+        "pytest -m proofs",
         "pytest -m multinode",
         "pytest -m slurm",
         "pytest -m matrix",

@@ -66,9 +66,9 @@ def test_stage15_checkpoints_hold_the_contract(reference):
     assert run["stages"]["15"]["status"] == "ok" and run["stages"]["15"]["global_step"] == 40
 
 
-# The default suite shows exact resumption after a kill mid-save (test_safety_faults) and a
-# restart after a killed rank (test_run_state); this kill of a training rank is nightly.
-@pytest.mark.nightly
+# A training rank SIGKILLed, then resumed: the same losses and samples as a run never killed.
+# One of the headline proofs CI runs (`pytest -m proofs`).
+@pytest.mark.proofs
 def test_exact_resume_after_a_killed_rank(reference, tmp_path):
     run = tmp_path / "run"
     killed = wonderland(

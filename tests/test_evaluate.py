@@ -219,7 +219,7 @@ def test_healthy_run_passes_the_gate(healthy):
 
 
 @pytest.mark.slow
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_broken_stage16_fails_the_gate_naming_the_minority_classes(broken):
     stage17, run = broken.stage17, broken.run
     assert stage17.returncode == 3, out(stage17)[-4000:]

@@ -118,7 +118,7 @@ def test_every_fault_is_detected_with_its_latency(run16):
     assert check["probe_s"] > 0  # places the first in-training probe
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_stop_policy_exits_3_and_saves_nothing_after_the_fault(run16):
     r = wonderland(
         "train",
@@ -172,7 +172,7 @@ def test_overlapped_check_stops_one_step_later_and_writes_only_judged_steps(run1
     assert not list((run16 / "stage16" / "checkpoints").glob("global_step*"))
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 @pytest.mark.parametrize("check_interval,overlap", [(1, False), (1, True), (10, True)])
 def test_rollback_policy_reloads_and_skips_the_bad_batches(
     run16, tmp_path, check_interval, overlap
@@ -209,7 +209,7 @@ def test_rollback_policy_reloads_and_skips_the_bad_batches(
     assert steps == list(range(41, 81))  # the rolled-back steps are not in the curve twice
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_clean_2000_step_run_raises_no_alarm(tmp_path):
     run = tmp_path / "run"
     r = wonderland("train", "--stage", "15", "--config", CLEAN, "--run-dir", str(run), timeout=400)

@@ -131,7 +131,7 @@ def test_a_signal_to_the_front_alone_reaches_the_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_sigkill_during_the_stop_save_leaves_the_previous_checkpoint(tmp_path):
     config, run = _config(tmp_path, save_interval=50), tmp_path / "run"
     # From step 51 on, rank 0's saves wait 10 s before their metadata: the stop's save is slow.

@@ -246,7 +246,7 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_hung_rank_fails_within_the_process_group_timeout_naming_it(tmp_path):
     """Rank 1 SIGSTOPs itself after step 3; rank 0 must fail at the 20 s process-group timeout
     (not DeepSpeed's or gloo's 10/30 minutes) and name rank 1, and the front must say so."""

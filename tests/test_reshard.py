@@ -127,7 +127,7 @@ def test_zero2_saved_by_two_ranks_resumed_on_three(stage15_fp32, tmp_path):
     equivalence(tmp_path, 2, 2, 3, source=stage15_fp32)
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_zero3_saved_by_three_ranks_resumed_on_two(tmp_path):
     equivalence(tmp_path, 3, 3, 2)
     # Stage 17 on a third world size: each rank's partition of every layer read from the saved
@@ -150,15 +150,21 @@ def test_zero3_saved_by_three_ranks_resumed_on_two(tmp_path):
         assert report[key] == want, key
 
 
-@pytest.mark.nightly
 @pytest.mark.parametrize(
-    ("zero", "old", "new"), [(1, 2, 3), (1, 3, 2), (2, 3, 2), (3, 2, 3), (2, 2, 1)]
+    ("zero", "old", "new"),
+    [
+        pytest.param(1, 2, 3, marks=pytest.mark.proofs),  # ZeRO-1 growing
+        pytest.param(1, 3, 2, marks=pytest.mark.nightly),
+        pytest.param(2, 3, 2, marks=pytest.mark.nightly),
+        pytest.param(3, 2, 3, marks=pytest.mark.proofs),  # ZeRO-3 growing (shrinking: above)
+        pytest.param(2, 2, 1, marks=pytest.mark.nightly),
+    ],
 )
 def test_equivalence_matrix(tmp_path, zero, old, new):
     equivalence(tmp_path, zero, old, new)
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_a_misplaced_range_is_refused_naming_the_parameter(stage15_fp32, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(stage15_fp32, run)

@@ -203,7 +203,7 @@ def test_a_completed_stage_is_not_rerun_without_rerun(stage15_fp32, tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_restart_after_a_killed_rank_finishes_the_stage(stage15_fp32, tmp_path):
     run = _copy(stage15_fp32, tmp_path / "run")
     stage16 = ["train", "--stage", "16", "--config", TINY32, "--run-dir", str(run)]
@@ -221,7 +221,7 @@ def test_restart_after_a_killed_rank_finishes_the_stage(stage15_fp32, tmp_path):
     assert "stage16/checkpoints/global_step50" in result.stdout  # resumed where it was
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_a_fault_on_every_attempt_stops_after_max_restarts(stage15_fp32, tmp_path):
     run = _copy(stage15_fp32, tmp_path / "run")
     result = wonderland(

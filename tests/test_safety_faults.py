@@ -122,7 +122,7 @@ def killed_in_a_save(stage15_fp32: Path, tmp_path: Path, point: str) -> None:
     assert digests(run / "stage15") == {s: ref_digests[s] for s in range(1, 31)}
 
 
-@pytest.mark.nightly
+@pytest.mark.proofs
 def test_killed_before_the_metadata_of_an_async_save_resumes_from_the_previous(
     stage15_fp32, tmp_path
 ):
