@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +33,18 @@ class Normalize(nn.Module):
         return (x - self.mean.to(x.dtype)) / self.std.to(x.dtype)
 
 
+def gathered(params) -> Any:
+    """Whole parameters to write into, also where ZeRO-3's ``zero.Init`` has already split
+    them (``ds_id``): gathered, and re-split from rank 0's values on leaving. Every rank
+    computes the same seeded values, so rank 0's are everyone's."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
 class DigitsNet(nn.Module):
     """An MLP with a frozen random projection (a pretrained feature layer stand-in: it shows
     that frozen parameters survive a universal-checkpoint resume)."""
@@ -40,8 +54,9 @@ class DigitsNet(nn.Module):
         self.norm = Normalize(features)
         gen = torch.Generator().manual_seed(7)
         self.proj = nn.Linear(features, features)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.randn(features, features, generator=gen) / features**0.5)
+        weight = torch.randn(features, features, generator=gen) / features**0.5
+        with gathered(self.proj.parameters()), torch.no_grad():
+            self.proj.weight.copy_(weight)
             self.proj.bias.zero_()
         self.proj.requires_grad_(False)
         self.body = nn.Sequential(
@@ -89,10 +104,11 @@ class ByteGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, 256, bias=False)
-        nn.init.normal_(self.pos, std=0.02)
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
+        with gathered(self.parameters()):  # under zero.Init the blocks are split already
+            nn.init.normal_(self.pos, std=0.02)
+            for p in self.parameters():
+                if p.dim() == 2:
+                    nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
