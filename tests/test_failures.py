@@ -36,6 +36,23 @@ def test_a_rank_gone_without_a_record_is_named(tmp_path):
     assert "died without reporting an error" in first.summary and "consequence" in first.summary
 
 
+def test_a_rank_a_peer_found_hung_is_named_by_that_peers_report(tmp_path):
+    """Frozen, then killed (the launcher kills a stopped rank 30 s after the others fail): the
+    peer's timeout that named it tells what happened, not "died without reporting"."""
+    text = (
+        "a collective timed out after 20 s; rank 1 (node7) did not answer within 5 s: hung or"
+        " dead (DistBackendError: wait timeout)"
+    )
+    failures.record(tmp_path, 0, RuntimeError(text))
+    first = failures.first_failure(tmp_path, 0.0, [(1, "node7")], tmp_path / "logs")
+    assert first is not None and (first.rank, first.host) == (1, "node7")
+    assert first.summary.startswith("rank 0 reported: RuntimeError: a collective timed out")
+    assert "died without reporting" not in first.summary and "consequence" not in first.summary
+    # The control: a rank that died while the peer's report names another one is still silent.
+    other = failures.first_failure(tmp_path, 0.0, [(2, "node8")], tmp_path / "logs")
+    assert other is not None and "rank 2 on node8 died without reporting" in other.summary
+
+
 @pytest.mark.slow
 def test_a_killed_rank_is_named_first_in_the_summary_and_run_json(stage15_fp32, tmp_path):
     run = tmp_path / "run"

@@ -119,10 +119,24 @@ def first_failure(
     causes = [r for r in records if not r.consequence]
     recorded = {r.rank for r in records}
     silent = [(rank, host) for rank, host in died if rank not in recorded]
+    # A rank a peer's timeout names as not answering hung first; its death came after (the
+    # launcher kills a frozen rank 30 s after the others fail): the peer's report is the story.
+    hung = [
+        r
+        for r in records
+        if r.consequence
+        and any(f" {rk} ({hs})" in r.error for rk, hs in silent)
+        and "did not answer" in r.error
+    ]
     if causes:
         top = causes[0]
         head = f"rank {top.rank} on {top.host} failed first: {top.error}"
         rank, host = top.rank, top.host
+    elif hung:
+        top = hung[0]
+        head = f"rank {top.rank} reported: {top.error}"
+        rank, host = next((rk, hs) for rk, hs in silent if f" {rk} ({hs})" in top.error)
+        records = [r for r in records if r is not top]
     elif silent:
         rank, host = silent[0]
         head = (
