@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.util import REPO
+from tests.helpers.util import REPO, losses
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 CLUSTER = REPO / "tests" / "multinode" / "cluster.sh"
@@ -200,7 +200,8 @@ def test_cut_host_fails_within_the_timeout_and_resumes_on_two_hosts(stage15, tmp
     assert t_fail < PG_TIMEOUT + 60, t_fail
     # "stage 16 failed at step N of M": how far the run got; the newest complete checkpoint
     # is where the resume starts. Lost work is at most the save interval.
-    reached = int(re.search(r"stage 16 failed at step (\d+) of", text).group(1))
+    # (or, when the peers' heartbeat watch came first, "rank R leaving at step N")
+    reached = max(int(n) for n in re.findall(r"(?:stage 16 failed at|leaving at) step (\d+)", text))
     saved = int((ckpts / "latest").read_text().strip().removeprefix("global_step"))
     lost = reached - saved
     assert 0 <= lost <= json.loads(Path(CONFIG).read_text())["wonderland"]["save_interval"]
@@ -217,4 +218,100 @@ def test_cut_host_fails_within_the_timeout_and_resumes_on_two_hosts(stage15, tmp
     assert meta["world_size"] == 2 and meta["global_step"] > saved
     print(
         f"cut host: failed {t_fail:.1f} s after the cut (timeout {PG_TIMEOUT} s); {lost} steps lost"
+    )
+
+
+def _power_off(host: str) -> list[int]:
+    """What a power loss does to HOST: its link down and its stage processes SIGKILLed (its
+    sshd stays for the tests after this one). The pids killed."""
+    cluster("link", host, "down")
+    pids = subprocess.run(
+        ["ip", "netns", "pids", host], capture_output=True, text=True, check=True
+    ).stdout.split()
+    killed = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"wonderland" in cmdline or b"deepspeed" in cmdline:
+            os.kill(int(pid), 9)
+            killed.append(int(pid))
+    return killed
+
+
+def test_lost_host_the_stage_continues_on_two_with_the_same_global_batch(stage15, tmp_path):
+    """--min-nodes: wl-node2 loses power mid-stage 16 (link down, processes SIGKILLed) under a
+    600 s process-group timeout; the stage finishes on wl-node0/1 in the same command, its
+    losses those of an uninterrupted 3-host stage 16."""
+    src, _ = stage15
+    cfg = json.loads(Path(CONFIG).read_text())
+    cfg["wonderland"]["process_group_timeout_s"] = 600  # detection must not wait for it
+    config = tmp_path / "elastic.json"
+    config.write_text(json.dumps(cfg))
+    steps, save = 120, cfg["wonderland"]["save_interval"]
+
+    def stage16(run_dir: Path, *flags: str) -> list[str]:
+        shutil.copytree(src, run_dir, symlinks=True)
+        cmd = [str(BIN / "wonderland"), "train", "--config", str(config)]
+        cmd += ["--run-dir", str(run_dir), "--stage", "16", "--resume", "auto"]
+        return head_cmd([*cmd, "--hostfile", "hostfiles/netns3", "--steps", str(steps), *flags])
+
+    ref_dir = tmp_path / "ref"
+    r = subprocess.run(stage16(ref_dir), capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert r.returncode == 0, out(r)  # the peers' watch names nobody on a healthy stage
+    run_dir = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    log = (tmp_path / "elastic.log").open("w")
+    cmd = stage16(run_dir, "--max-restarts", "1", "--min-nodes", "2")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    ckpts = run_dir / "stage16" / "checkpoints"
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            tag = (ckpts / "latest").read_text().strip() if (ckpts / "latest").exists() else ""
+            if tag and int(tag.removeprefix("global_step")) >= 48:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the stage ended before the power loss"
+        killed = _power_off("wl-node2")
+        t_loss = time.time()
+        assert killed, "no stage process ran on wl-node2"
+        rc = proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster("link", "wl-node2", "up")
+    text = (tmp_path / "elastic.log").read_text()
+    assert rc == 0, text[-5000:]
+    assert "lost wl-node2" in text and "continuing on 2 node(s) (wl-node0, wl-node1)" in text, text
+    assert "global batch 96 kept: 8 x 4 x 3 becomes 8 x 6 x 2" in text, text
+    entry = json.loads((run_dir / "run.json").read_text())["stages"]["16"]
+    assert entry["status"] == "ok" and entry["world_size"] == 2 and entry["grad_acc"] == 6, entry
+    assert entry["resume"]["load"] == "resharded" and entry["resume"]["from_world_size"] == 3
+    assert [x["host"] for x in ranks(run_dir, 16)] == HOSTS[:2]
+    (event,) = entry["elastic"]
+    assert event["kind"] == "shrink" and event["lost_hosts"] == ["wl-node2"], event
+    assert (event["from_world"], event["to_world"], event["global_batch"]) == (3, 2, 96)
+    assert event["grad_acc"] == [4, 6] and 0 <= event["steps_lost"] <= save, event
+    assert event["training_again_s"] is not None and event["detect_s"] < 30, event
+    (restart,) = entry["restarts"]
+    assert restart["excluded_hosts"] == ["wl-node2"], restart
+    # The same training: every step's loss equals the uninterrupted 3-host run's.
+    got, ref = losses(run_dir / "stage16"), losses(ref_dir / "stage16")
+    assert sorted(got) == sorted(ref) and len(got) > 60
+    worst = max(abs(got[s] - ref[s]) for s in ref)
+    assert worst < 1e-3, worst
+    status = subprocess.run(
+        [str(BIN / "wonderland"), "status", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "shrank 3 -> 2 ranks" in status.stdout, status.stdout
+    print(
+        f"lost host: training again {event['training_again_s']} s after its last heartbeat"
+        f" (detected after {event['detect_s']} s), {event['steps_lost']} steps lost,"
+        f" worst loss difference {worst:.2e}; {time.time() - t_loss:.0f} s to the end"
     )

@@ -42,6 +42,13 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
         " checkpoint, up to N times (default: wonderland.max_restarts, 0)",
     )
     p.add_argument(
+        "--min-nodes",
+        type=positive,
+        help="with --max-restarts: a node lost mid-stage is left out and the stage relaunched"
+        " on the nodes left, with the same global batch, while at least N remain"
+        " (default: wonderland.elastic.min_nodes; unset: restarts use the same nodes)",
+    )
+    p.add_argument(
         "--exclude-failed-hosts",
         action="store_true",
         help="on a restart, leave out the hosts the failure named (DeepSpeed's --exclude);"

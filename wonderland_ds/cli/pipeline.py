@@ -87,7 +87,7 @@ def _stages(
             argv += ["--optimizer-state", "--scheduler-state"]
         if args.nproc:
             argv += ["--nproc", str(args.nproc)]
-        for flag in ("master_port", "max_restarts"):
+        for flag in ("master_port", "max_restarts", "min_nodes"):
             if getattr(args, flag) is not None:
                 argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         if args.exclude_failed_hosts:

@@ -192,6 +192,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"           Slurm job {a['job_id']} (restart {a['restart_count']}):"
                 f" {a.get('outcome') or 'running'}{steps}{why}"
             )
+        for ev in e.get("elastic") or []:
+            print(f"           {_elastic_line(ev)}")
         for r in e.get("restarts") or []:
             print(
                 f"           restart {r['attempt']}: {str(r['cause'])[:120]} (resumed from step"
@@ -254,3 +256,22 @@ def add_parser(sub: Commands) -> None:
     p.add_argument("--run-dir", dest="run_dir_flag", metavar="RUN_DIR", help="the run directory")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+
+def _elastic_line(ev: dict[str, Any]) -> str:
+    """One shrink or grow of a stage's nodes, as status shows it."""
+    verb = "shrank" if ev.get("kind") == "shrink" else "grew"
+    lost = f", lost {', '.join(ev['lost_hosts'])}" if ev.get("lost_hosts") else ""
+    steps = f", {ev['steps_lost']} step(s) lost" if ev.get("steps_lost") is not None else ""
+    again = ev.get("training_again_s")
+    after = f", training again after {again:.0f} s" if again is not None else ""
+    acc = ev.get("grad_acc") or []
+    batch = (
+        f"; global batch {ev['global_batch']} kept (grad_acc {acc[0]} -> {acc[1]})"
+        if len(acc) == 2
+        else ""
+    )
+    return (
+        f"{verb} {ev.get('from_world')} -> {ev.get('to_world')} ranks at step"
+        f" {ev.get('resumed_from_step')}{lost}{steps}{after}{batch}"
+    )

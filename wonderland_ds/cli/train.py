@@ -121,11 +121,14 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
     attempt_args = args
     started = time.time()
     port_retries = 0
+    nodes = _Nodes(args, run_dir, target, exclude)
     while True:
         world = target.world(args.nproc, exclude)
+        attempt_args = nodes.before_launch(attempt_args, world)
         rc, settings, port_taken = _launch_once(
             attempt_args, run_dir, world, command, started, sup, target.srun
         )
+        nodes.after_launch()
         if rc in (EXIT_OK, EXIT_REFUSED, EXIT_GUARD, EXIT_STOPPED, EXIT_DISK) or sup.stop:
             break
         if port_taken and args.master_port is None and port_retries < 2:
@@ -152,6 +155,9 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
         many_hosts = len(target.hostfile.hosts) > 1 if target.hostfile else len(target.hosts) > 1
         if args.exclude_failed_hosts and failed and many_hosts:
             exclude[:] = sorted(set(exclude) | set(failed))
+        shrink = nodes.lost(entry, settings, newest)
+        if shrink is False:
+            break  # fewer nodes left than --min-nodes: said
         restarts.append(
             {
                 "attempt": len(restarts) + 1,
@@ -165,7 +171,10 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
                 "at": manifest.now(),
             }
         )
-        backoff = min(300.0, settings.restart_backoff_s * 2 ** (len(restarts) - 1))
+        # A lost node left out is a known cause: relaunch at once on the others.
+        backoff = (
+            0.0 if shrink else min(300.0, settings.restart_backoff_s * 2 ** (len(restarts) - 1))
+        )
         manifest.update_stage(run_dir, args.stage, status="restarting", restarts=restarts)
         where = f"from {newest.tag_dir}" if newest else "from where it started"
         print(
@@ -181,6 +190,181 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
             attempt_args.resume = "auto"
         started = time.time()
     return rc
+
+
+class _Nodes:
+    """The stage's nodes under ``--min-nodes``: a lost one left out of the relaunch, the
+    global batch kept on the world that is left (and on a larger one when it grows back),
+    each change recorded in run.json's ``elastic`` list and said on the console."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, target: Any, exclude: list[str]):
+        from wonderland_ds.core.findings import Refused
+        from wonderland_ds.launch import elastic
+        from wonderland_ds.launch.stage import load_config
+
+        self.args, self.run_dir, self.target, self.exclude = args, run_dir, target, exclude
+        self.stage_dir = run_dir / f"stage{args.stage}"
+        try:
+            settings = load_config(args.config, args.stage, None)[2]
+            self.min_nodes = elastic.min_nodes(args, settings)
+        except Refused:
+            self.min_nodes = None  # the launch refuses the config itself
+        self.pending: dict[str, Any] | None = None  # an event waiting for its first step
+        self.launched = 0.0
+
+    def hosts(self) -> list[str]:
+        t = self.target
+        names = list(t.hostfile.hosts) if t.hostfile is not None else list(t.hosts)
+        return [h for h in names if h not in self.exclude]
+
+    def before_launch(self, args: argparse.Namespace, world: int) -> argparse.Namespace:
+        """The launch's flags: under --min-nodes, a resume onto another world size than its
+        checkpoint's gets the accumulation that keeps the checkpoint's global batch."""
+        from wonderland_ds.launch import elastic
+
+        self.launched = time.time()
+        if self.min_nodes is None or args.grad_acc_steps is not None or args.resume is None:
+            return args
+        got = elastic.newest_meta(self.run_dir, args.stage)
+        if got is None or got[1].world_size in (None, world):
+            return args
+        meta = got[1]
+        gas = elastic.grad_acc_for(meta, world, args.config)  # Refused: the batch cannot be kept
+        out = copy.copy(args)
+        out.grad_acc_steps = gas
+        if self.pending is not None:  # a shrink decided after the last launch
+            self.pending["relaunch_s"] = round(time.time() - self.pending["_beat"], 1)
+        elif world > meta.world_size:
+            self.pending = {
+                "kind": "grow",
+                "at": elastic.iso(self.launched),
+                "_beat": self.launched,
+                "hosts": self.hosts(),
+                "from_world": meta.world_size,
+                "to_world": world,
+                "global_batch": meta.train_batch,
+                "grad_acc": [meta.grad_acc, gas],
+                "resumed_from_step": meta.global_step,
+            }
+            print(
+                f"stage {args.stage}: growing back from {meta.world_size} to {world} ranks on"
+                f" {len(self.hosts())} node(s); global batch {meta.train_batch} kept:"
+                f" gradient accumulation {meta.grad_acc} -> {gas}",
+                flush=True,
+            )
+        if self.pending is not None:
+            self._record({k: v for k, v in self.pending.items() if not k.startswith("_")})
+        return out
+
+    def after_launch(self) -> None:
+        """The first step trained after a change: how long it took from the loss (shrink) or
+        the launch (grow)."""
+        from wonderland_ds.launch import elastic
+
+        if self.pending is None:
+            return
+        wall = elastic.first_step_wall(self.stage_dir, self.pending.get("resumed_from_step") or 0)
+        if wall is None:
+            return  # not trained yet: the next launch measures it
+        self.pending["training_again_s"] = round(wall - self.pending["_beat"], 1)
+        self._record({k: v for k, v in self.pending.items() if not k.startswith("_")})
+        self.pending = None
+
+    def _record(self, event: dict[str, Any]) -> None:
+        from wonderland_ds.launch.elastic import ElasticEvent
+        from wonderland_ds.run import manifest
+
+        event = ElasticEvent(**event).model_dump()
+        events = list(manifest.stage_record(self.run_dir, self.args.stage).elastic)
+        if events and events[-1].get("at") == event["at"] and events[-1]["kind"] == event["kind"]:
+            events[-1] = event
+        else:
+            events.append(event)
+        manifest.update_stage(self.run_dir, self.args.stage, elastic=events)
+
+    def lost(self, entry: Any, settings: Any, newest: Any) -> bool | None:
+        """After a failed launch: None when no node was lost or --min-nodes is off (a plain
+        restart); True when the lost nodes are left out; False when too few are left."""
+        from wonderland_ds.launch import elastic
+
+        if self.min_nodes is None or not entry.lost:
+            return None
+        beats = entry.lost
+        suspects = sorted({str(b["host"]) for b in beats})
+        dead = [h for h in suspects if not elastic.answers(h, self.target.srun)]
+        if not dead:
+            print(
+                f"stage {self.args.stage}: {', '.join(suspects)} stopped beating but answer"
+                " (a process lost, not the host): restarting on the same nodes",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        self.exclude[:] = sorted(set(self.exclude) | set(dead))
+        if self.target.srun and self.target.alloc is not None:
+            now = self.target.alloc.nodes_now()  # the job's nodes after Slurm shrank it
+            if now is not None:
+                self.exclude[:] = sorted(set(self.exclude) | (set(self.target.hosts) - set(now)))
+        left = self.hosts()
+        if len(left) < self.min_nodes:
+            print(
+                f"stage {self.args.stage}: lost {', '.join(dead)}; {len(left)} node(s) left"
+                f" ({', '.join(left)}), fewer than --min-nodes {self.min_nodes}: not relaunched",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        last = max(beats, key=lambda b: b["last_beat"])
+        world = self.target.world(self.args.nproc, self.exclude)
+        meta = elastic.newest_meta(self.run_dir, self.args.stage)
+        # How far the stage got: the survivors' heartbeats have the newest step.
+        from wonderland_ds.run.liveness import heartbeats
+
+        since = self.launched
+        steps = [
+            b.get("step") or 0
+            for b in [*beats, *heartbeats(self.stage_dir)]
+            if float(b.get("time", b.get("last_beat", 0.0))) >= since
+        ]
+        reached = max(steps, default=0)
+        saved = meta[1].global_step if meta else None
+        from_world = entry.world_size or world
+        event: dict[str, Any] = {
+            "kind": "shrink",
+            "at": elastic.iso(time.time()),
+            "_beat": last["last_beat"],
+            "hosts": left,
+            "lost_hosts": dead,
+            "last_heartbeat": elastic.iso(last["last_beat"]),
+            "last_heartbeat_step": last.get("step"),
+            "from_world": from_world,
+            "to_world": world,
+            "resumed_from_step": saved,
+            "steps_lost": max(0, reached - saved) if saved is not None else reached,
+            "detect_s": round(
+                min(b["last_beat"] + b["silent_s"] for b in beats) - last["last_beat"], 1
+            ),
+        }
+        if meta is not None and meta[1].train_batch:
+            m = meta[1]
+            gas = elastic.grad_acc_for(m, world, self.args.config)
+            event |= {"global_batch": m.train_batch, "grad_acc": [m.grad_acc, gas]}
+            batch = (
+                f"global batch {m.train_batch} kept: {m.micro_batch} x {m.grad_acc} x {from_world}"
+                f" becomes {m.micro_batch} x {gas} x {world}"
+            )
+        else:
+            event |= {"global_batch": 0, "grad_acc": []}
+            batch = "no checkpoint yet: the stage starts again from its source"
+        self.pending = event
+        print(
+            f"stage {self.args.stage}: lost {', '.join(dead)} (last heartbeat"
+            f" {event['last_heartbeat']}, step {last.get('step')}); continuing on {len(left)}"
+            f" node(s) ({', '.join(left)}) from step {saved}; {batch}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
 
 
 def _launch_once(
@@ -251,12 +435,16 @@ def _launch_once(
             },
             error=None,
             exit_code=None,
+            lost=[],
         )
     except BaseException:
         early.cancel()
         raise
     sup.launching(stage_dir, srun)
-    rc = early.go(on_start=sup.attach)
+    from wonderland_ds.launch.elastic import LaunchWatch
+
+    with LaunchWatch(stage_dir, started, sup):  # ends a launcher that waits for a lost host
+        rc = early.go(on_start=sup.attach)
     sup.detach()
     if sup.stop is not None and not wait_for_ranks(stage_dir, started):
         print(f"stage {args.stage}: ranks still alive after the stop; not waiting longer")
@@ -284,6 +472,9 @@ def _launch_once(
         if first is not None:
             why = first.summary
             record = {"error": why[:1000], "failed_rank": first.rank}
+            if first.lost:  # peers whose heartbeat stopped: their hosts may be gone
+                record["lost"] = [p.model_dump() for p in first.lost]
+                record["failed_hosts"] = sorted({p.host for p in first.lost})
         elif entry.status == "running" and not entry.error:
             why = (
                 "no rank recorded a failure"

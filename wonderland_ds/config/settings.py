@@ -153,6 +153,22 @@ class Guards(_Strict):
     """Rollbacks a stage may make; the next ``rollback`` stops it instead."""
 
 
+class Elastic(_Strict):
+    """A node lost mid-stage: the stage continues on the nodes left, with the same global
+    batch, and grows back when it is next started on more."""
+
+    min_nodes: int | None = Field(None, ge=1)
+    """On a restart after a node was lost (``max_restarts`` > 0), relaunch on the nodes left
+    as long as at least this many remain; fewer ends the stage. The global batch of the
+    checkpoint is kept: gradient accumulation is derived for the new world size, and a world
+    that cannot keep it with the configured micro batch ends the stage. None: a restart
+    relaunches on the same nodes (``--min-nodes`` overrides)."""
+    heartbeat_timeout_s: float = Field(15.0, ge=0.0)
+    """A stage whose ranks span several hosts: a rank whose heartbeat (written every 2 s to
+    the shared run folder) stops changing for this long is lost with its host, and the others
+    leave at once instead of waiting for the process-group timeout. 0: off."""
+
+
 class Preemption(_Strict):
     """Stopping on a signal or the job's time limit, and coming back (Slurm)."""
 
@@ -254,6 +270,8 @@ class WonderlandSettings(_Strict):
     """The health guards while a stage trains."""
     preemption: Preemption = Field(default_factory=Preemption)
     """Stops on a signal or the job's time limit, and the requeue after them."""
+    elastic: Elastic = Field(default_factory=Elastic)
+    """A lost node: continue on the nodes left, and grow back."""
     export: Export = Field(default_factory=Export)
     """Stage 18's export."""
     device_memory_gb: float | None = Field(None, gt=0)

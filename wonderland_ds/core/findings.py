@@ -24,6 +24,9 @@ EXIT_STOPPED = 4
 #: 5: stopped because the checkpoint storage is full (or failing): the newest complete
 #: checkpoint is intact and a half-written one removed; continue once there is room.
 EXIT_DISK = 5
+#: 6: a rank left because a peer on another host stopped beating (a lost host); the front
+#: restarts the stage without that host when ``--min-nodes`` allows.
+EXIT_LOST = 6
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,26 @@ class Allocation:
             return None
         return parse_time(out.splitlines()[0]) if out.strip() else None
 
+    def nodes_now(self) -> list[str] | None:
+        """The job's nodes as Slurm holds them now (``scontrol show job``'s NodeList): after a
+        node failure under ``--no-kill`` the job keeps the others and ``SLURM_JOB_NODELIST``
+        is stale. None when Slurm cannot be asked."""
+        try:
+            out = subprocess.run(
+                ["scontrol", "show", "job", "-o", self.job_id],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        for field in out.split():
+            if field.startswith("NodeList="):
+                spec = field.split("=", 1)[1]
+                return [] if spec in ("", "(null)") else expand_hostlist(spec)
+        return None
+
     def requeue(self) -> str | None:
         """``scontrol requeue`` this job: None when done, else why not. Slurm then sends
         SIGTERM to every process of the job and runs it again later."""

@@ -20,6 +20,7 @@ from wonderland_ds.config import stages
 from wonderland_ds.core.allocator import fix_threshold
 from wonderland_ds.core.distributed import log
 from wonderland_ds.core.findings import (
+    EXIT_LOST,
     EXIT_REFUSED,
     Finding,
     GuardStop,
@@ -40,7 +41,7 @@ from wonderland_ds.launch.stage import (
     resolve_run_dir,
 )
 from wonderland_ds.run import failures, manifest
-from wonderland_ds.run.liveness import Heartbeat
+from wonderland_ds.run.liveness import Heartbeat, PeerWatch
 from wonderland_ds.run.manifest import AllocationRecord, StopRecord
 from wonderland_ds.training import faults, startup
 
@@ -99,6 +100,12 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
     fault = faults.parse(opts.fault)
     fault.remember(stage_dir / "faults")  # a one-shot fault acts once per stage, restarts too
     heartbeat = Heartbeat(stage_dir, dist.rank()).start()
+    timeout_s = settings.elastic.heartbeat_timeout_s
+    if timeout_s > 0 and len(set(dist.HOSTS)) > 1:
+        # Across hosts no launcher sees a peer's power loss: the shared folder's heartbeats do.
+        heartbeat.watch = PeerWatch(
+            heartbeat.path.parent, dist.rank(), world, timeout_s, _leaving(stage_dir, heartbeat)
+        )
     inputs = decided.inputs(task, heartbeat, signals)
     alloc = Allocation.from_env()
     first_step = plan.source_info.get("global_step") if plan.source else 0
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
 
             result = run_export(opts, run_dir, inputs, plan)
     except BaseException as exc:
-        heartbeat.stop()
+        heartbeat.stop("stopped" if isinstance(exc, (Stopped, Refused, GuardStop)) else "failed")
         # A collective timeout names no peer: find out which ranks stopped answering.
         hung = dist.explain_timeout(exc, settings.process_group_timeout_s)
         if hung:
@@ -204,6 +211,29 @@ def run(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
         )
         log(f"stage {opts.stage} ({st.name}) done: {json.dumps(result, default=str)}")
     return 0
+
+
+def _leaving(stage_dir: Path, heartbeat: Heartbeat) -> Any:
+    """What a rank does when a peer's heartbeat stopped: say so, record it, leave at once (it
+    may be blocked in a collective with the lost rank, which no exception would end)."""
+    import os
+
+    from wonderland_ds.core import distributed as dist
+
+    def leave(beats: list[dict]) -> None:
+        lost = failures.record_lost(stage_dir, dist.rank(), beats)
+        names = ", ".join(f"rank {p.rank} on {p.host}" for p in lost)
+        print(
+            f"[wonderland] rank {dist.rank()} leaving at step {heartbeat.step}: no heartbeat"
+            f" from {names} for {max(p.silent_s for p in lost):.0f} s (lost host or frozen"
+            " process), so the stage can restart",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_LOST)
+
+    return leave
 
 
 def _disk(exc: Stopped) -> str | None:

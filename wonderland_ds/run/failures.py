@@ -34,6 +34,21 @@ CONSEQUENCES = (
 )
 
 
+class LostPeer(BaseModel):
+    """A peer rank whose heartbeat stopped, as the rank that watched it saw it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    host: str
+    step: int | None = None
+    """The step its last heartbeat gave."""
+    last_beat: float
+    """Its last heartbeat's time (its own clock)."""
+    silent_s: float
+    """How long the watcher saw its heartbeat unchanged."""
+
+
 class FailureRecord(BaseModel):
     """One rank's failure, as it recorded it."""
 
@@ -47,6 +62,8 @@ class FailureRecord(BaseModel):
     """``Type: first line of the message``."""
     consequence: bool
     """A lost connection or a timeout: what a rank sees when another one failed."""
+    lost: list[LostPeer] = []
+    """The peers whose heartbeat this rank saw stop (it left because of them)."""
 
 
 def consequence(text: str) -> bool:
@@ -80,6 +97,44 @@ def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = No
         pass  # a full disk must not hide the failure itself
 
 
+def record_lost(stage_dir: Path, rank: int, beats: list[dict]) -> list[LostPeer]:
+    """This rank leaves because the peers of ``beats`` stopped beating: its record names
+    them (never raises)."""
+    global _recorded
+    lost = [
+        LostPeer(
+            rank=int(b.get("rank", -1)),
+            host=str(b.get("host")),
+            step=b.get("step"),
+            last_beat=float(b.get("time", 0.0)),
+            silent_s=float(b.get("silent_s", 0.0)),
+        )
+        for b in beats
+    ]
+    names = ", ".join(f"rank {p.rank} ({p.host})" for p in lost)
+    error = (
+        f"no heartbeat from {names} for {max(p.silent_s for p in lost):.0f} s: its host is lost"
+        " or the process frozen"
+    )
+    body = FailureRecord(
+        rank=rank,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        time=time.time(),
+        error=error,
+        consequence=True,
+        lost=lost,
+    )
+    try:
+        folder = stage_dir / FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(folder / f"rank{rank}.json", body.model_dump_json())
+        _recorded = True
+    except OSError:
+        pass
+    return lost
+
+
 def recorded() -> bool:
     """Whether this process wrote its record (else the rank entry's last resort writes one)."""
     return _recorded
@@ -108,6 +163,8 @@ class FirstFailure(BaseModel):
     rank: int | None
     host: str | None
     summary: str
+    lost: list[LostPeer] = []
+    """Peers whose heartbeat stopped (a lost host), as the ranks that left saw them."""
 
 
 def first_failure(
@@ -128,7 +185,23 @@ def first_failure(
         and any(f" {rk} ({hs})" in r.error for rk, hs in silent)
         and "did not answer" in r.error
     ]
-    if causes:
+    watched = [r for r in records if r.lost]
+    lost_peers: dict[int, LostPeer] = {}
+    for r in watched:
+        for peer in r.lost:
+            lost_peers.setdefault(peer.rank, peer)
+    if watched:  # a host lost: every error after it is a consequence
+        first = min(lost_peers.values(), key=lambda p: p.last_beat)
+        seen_by = sorted({r.rank for r in watched})
+        names = ", ".join(f"rank {p.rank} on {p.host}" for p in lost_peers.values())
+        head = (
+            f"{names} stopped: no heartbeat for {first.silent_s:.0f} s (seen by rank"
+            f"{'s' if len(seen_by) > 1 else ''} {', '.join(map(str, seen_by))}, which then"
+            " left): its host is lost or the process frozen"
+        )
+        rank, host = first.rank, first.host
+        records = [r for r in records if not r.lost]
+    elif causes:
         top = causes[0]
         head = f"rank {top.rank} on {top.host} failed first: {top.error}"
         rank, host = top.rank, top.host
@@ -154,7 +227,12 @@ def first_failure(
     if lost:
         seen = "; ".join(f"rank {r.rank}: {r.error[:300]}" for r in lost[:4])
         tail = f"; what the others saw is a consequence ({seen})"
-    return FirstFailure(rank=rank, host=host, summary=f"{head}{tail} (each rank's output: {logs}/)")
+    return FirstFailure(
+        rank=rank,
+        host=host,
+        summary=f"{head}{tail} (each rank's output: {logs}/)",
+        lost=sorted(lost_peers.values(), key=lambda p: p.rank),
+    )
 
 
 def launch_failure(stage_dir: Path, since: float, beats: list[dict]) -> FirstFailure | None:

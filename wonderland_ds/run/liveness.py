@@ -42,6 +42,8 @@ class Heartbeat:
     def __init__(self, stage_dir: Path, rank: int, interval: float = INTERVAL_S) -> None:
         self.path = stage_dir / HEARTBEAT / f"rank{rank}.json"
         self.rank, self.interval, self.step = rank, interval, None
+        self.left: str | None = None
+        self.watch: PeerWatch | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wonderland-heartbeat", daemon=True)
 
@@ -51,22 +53,86 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def beat(self) -> None:
+    def beat(self) -> bool:
         body = {"rank": self.rank, "pid": os.getpid(), "host": host(), "step": self.step}
         body["time"] = time.time()
+        if self.left is not None:
+            body["left"] = self.left
         tmp = self.path.with_suffix(f".tmp{os.getpid()}")
         try:
             tmp.write_text(json.dumps(body))
             os.replace(tmp, self.path)
         except OSError:
-            pass  # a full or gone disk must not kill the rank; status shows the age
+            return False  # a full or gone disk must not kill the rank; status shows the age
+        return True
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.beat()
+            wrote = self.beat()
+            if self.watch is not None and not self._stop.is_set():
+                self.watch.look(wrote)
 
-    def stop(self) -> None:
+    def stop(self, how: str = "ok") -> None:
+        """This rank leaves (``ok`` or ``failed``): its last beat says so, so the peers that
+        watch it do not take its silence for a lost host."""
         self._stop.set()
+        self.left = how
+        self.beat()
+
+
+class PeerWatch:
+    """The heartbeats of the other ranks of a multi-host stage, read from the shared run folder
+    on each beat: a peer whose file stopped changing for ``timeout_s`` (measured on this
+    host's monotonic clock, so clocks that differ between hosts do not matter) and did not
+    say it left is lost. Only peers seen beating during this launch are judged (a file left by
+    an earlier launch is not), and only while this rank's own beats are written (a shared
+    folder that stalls for everyone names nobody)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        on_lost: Any,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.folder, self.rank, self.world = folder, rank, world
+        self.timeout_s, self.on_lost, self.clock = timeout_s, on_lost, clock
+        self.seen: dict[int, tuple[float, float, dict[str, Any]]] = {}
+        """peer -> (its beat's time, when this rank saw that value first, the beat)."""
+        self.live: set[int] = set()
+        self.last_look: float | None = None
+        self.fired = False
+
+    def look(self, own_written: bool = True) -> list[dict[str, Any]]:
+        """Read the peers once; the lost ones (each with ``silent_s``), handed to ``on_lost``
+        the first time any is found."""
+        now = self.clock()
+        # Not looking for a while (this thread starved, the folder stalled) is not silence.
+        gap = self.last_look is not None and now - self.last_look > self.timeout_s / 2
+        self.last_look = now
+        lost = []
+        for peer in range(self.world):
+            if peer == self.rank:
+                continue
+            try:
+                beat = json.loads((self.folder / f"rank{peer}.json").read_text())
+                value = float(beat["time"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            before = self.seen.get(peer)
+            if before is None or before[0] != value or gap or not own_written:
+                if before is not None and before[0] != value:
+                    self.live.add(peer)  # it beat while this rank watched: this launch's
+                self.seen[peer] = (value, now, beat)
+                continue
+            if peer in self.live and not beat.get("left") and now - before[1] > self.timeout_s:
+                lost.append({**beat, "silent_s": round(now - before[1], 1)})
+        if lost and not self.fired:
+            self.fired = True
+            self.on_lost(lost)
+        return lost
 
 
 def heartbeats(stage_dir: Path) -> list[dict[str, Any]]:
@@ -108,6 +174,8 @@ def live(stage_dir: Path, entry: dict[str, Any], now: float | None = None) -> di
     front = entry.get("front") or {}
     here = pid_alive(front.get("pid"), front.get("host")) if front.get("pid") else False
     for b in beats:
+        if b.get("left"):
+            continue  # its last beat said it left
         alive = pid_alive(b.get("pid"), b.get("host"))
         if alive is None:  # another host: its heartbeat's age tells
             alive = now - float(b.get("time", 0.0)) < STALE_AFTER_S

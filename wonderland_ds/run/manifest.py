@@ -172,6 +172,10 @@ class StageRecord(BaseModel):
     error: str | None = None
     failed_hosts: list[str] = []
     failed_rank: int | None = None
+    lost: list[dict[str, Any]] = []
+    """The last launch's ranks whose heartbeat stopped (``failures.LostPeer``)."""
+    elastic: list[dict[str, Any]] = []
+    """Each shrink and grow of the stage's nodes (``launch/elastic.ElasticEvent``)."""
     resume: ResumeRecord | None = None
     stop: StopRecord | None = None
     allocations: list[AllocationRecord] = []
