@@ -251,8 +251,9 @@ def test_lost_host_the_stage_continues_on_two_with_the_same_global_batch(stage15
     config.write_text(json.dumps(cfg))
     steps, save = 120, cfg["wonderland"]["save_interval"]
 
-    def stage16(run_dir: Path, *flags: str) -> list[str]:
-        shutil.copytree(src, run_dir, symlinks=True)
+    def stage16(run_dir: Path, *flags: str, copy: bool = True) -> list[str]:
+        if copy:
+            shutil.copytree(src, run_dir, symlinks=True)
         cmd = [str(BIN / "wonderland"), "train", "--config", str(config)]
         cmd += ["--run-dir", str(run_dir), "--stage", "16", "--resume", "auto"]
         return head_cmd([*cmd, "--hostfile", "hostfiles/netns3", "--steps", str(steps), *flags])
@@ -310,6 +311,20 @@ def test_lost_host_the_stage_continues_on_two_with_the_same_global_batch(stage15
         timeout=60,
     )
     assert "shrank 3 -> 2 ranks" in status.stdout, status.stdout
+    # Grown back: started again on the three hosts, the stage reshards up, the batch the same.
+    more = stage16(run_dir, "--min-nodes", "2", copy=False)
+    more[more.index("--steps") + 1] = str(steps + 24)
+    r = subprocess.run(more, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert r.returncode == 0, out(r)
+    assert "growing back from 2 to 3 ranks" in r.stdout and "accumulation 6 -> 4" in r.stdout
+    entry = json.loads((run_dir / "run.json").read_text())["stages"]["16"]
+    grow = entry["elastic"][1]
+    assert (grow["kind"], grow["from_world"], grow["to_world"]) == ("grow", 2, 3), grow
+    assert grow["grad_acc"] == [6, 4] and grow["training_again_s"] is not None, grow
+    assert entry["world_size"] == 3 and entry["grad_acc"] == 4
+    assert (
+        json.loads((run_dir / "stage16" / "ds_config.json").read_text())["train_batch_size"] == 96
+    )
     print(
         f"lost host: training again {event['training_again_s']} s after its last heartbeat"
         f" (detected after {event['detect_s']} s), {event['steps_lost']} steps lost,"

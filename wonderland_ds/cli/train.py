@@ -219,11 +219,12 @@ class _Nodes:
 
     def before_launch(self, args: argparse.Namespace, world: int) -> argparse.Namespace:
         """The launch's flags: under --min-nodes, a resume onto another world size than its
-        checkpoint's gets the accumulation that keeps the checkpoint's global batch."""
+        checkpoint's gets the accumulation that keeps the checkpoint's global batch (a
+        --grad-acc-steps given is the one of the checkpoint's world)."""
         from wonderland_ds.launch import elastic
 
         self.launched = time.time()
-        if self.min_nodes is None or args.grad_acc_steps is not None or args.resume is None:
+        if self.min_nodes is None or args.resume is None:
             return args
         got = elastic.newest_meta(self.run_dir, args.stage)
         if got is None or got[1].world_size in (None, world):
@@ -267,6 +268,11 @@ class _Nodes:
         if wall is None:
             return  # not trained yet: the next launch measures it
         self.pending["training_again_s"] = round(wall - self.pending["_beat"], 1)
+        from wonderland_ds.run import manifest
+
+        resume = manifest.stage_record(self.run_dir, self.args.stage).resume
+        if resume is not None and resume.seconds is not None:
+            self.pending["load_s"] = round(resume.seconds, 1)
         self._record({k: v for k, v in self.pending.items() if not k.startswith("_")})
         self.pending = None
 

@@ -60,6 +60,8 @@ class ElasticEvent(BaseModel):
     """Shrink: from the last heartbeat to the first rank leaving for it."""
     relaunch_s: float | None = None
     """Shrink: from the last heartbeat to the relaunch (the ranks gone, the hosts asked)."""
+    load_s: float | None = None
+    """The relaunched stage's checkpoint load, resharded (the slowest rank)."""
     training_again_s: float | None = None
     """From the last heartbeat (shrink) or the launch (grow) to the first step trained."""
 

@@ -42,6 +42,10 @@ def build(
         "--kill-on-bad-exit=1",
         "--export=ALL",
     ]
+    if exclude:
+        # After a lost node the old step still holds its resources until Slurm marks that
+        # node down: the new step shares them instead of waiting.
+        cmd.append("--overlap")
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     if cpus:  # Slurm 22.05+: srun no longer takes the job's --cpus-per-task by itself
         cmd.append(f"--cpus-per-task={cpus}")
