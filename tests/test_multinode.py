@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.netns import kill_all
 from tests.helpers.util import REPO, losses
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
@@ -225,19 +226,7 @@ def _power_off(host: str) -> list[int]:
     """What a power loss does to HOST: its link down and its stage processes SIGKILLed (its
     sshd stays for the tests after this one). The pids killed."""
     cluster("link", host, "down")
-    pids = subprocess.run(
-        ["ip", "netns", "pids", host], capture_output=True, text=True, check=True
-    ).stdout.split()
-    killed = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"wonderland" in cmdline or b"deepspeed" in cmdline:
-            os.kill(int(pid), 9)
-            killed.append(int(pid))
-    return killed
+    return kill_all(host, only=(b"wonderland", b"deepspeed"))
 
 
 def test_lost_host_the_stage_continues_on_two_with_the_same_global_batch(stage15, tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY32
-from tests.helpers.slurm import SlurmCluster, skip_reason
+from tests.helpers.slurm import SlurmCluster, cluster_of
 from tests.helpers.util import REPO, losses
 from wonderland_ds.checkpoint import contract as ck
 from wonderland_ds.run import liveness
@@ -36,12 +36,7 @@ STEPS = 400
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = SlurmCluster().up(nodes=2)
-    yield cluster
-    cluster.down()
+    yield from cluster_of(2)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ Root only; deselected by default (about 4 minutes), `.ci/run` runs it with the s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY32
-from tests.helpers.slurm import SlurmCluster, skip_reason
+from tests.helpers.netns import kill_all
+from tests.helpers.slurm import SlurmCluster, cluster_of
 from tests.helpers.util import losses
 from tests.test_slurm import _copy_stage15, _stage16_script, _until_step
 
@@ -30,12 +30,7 @@ NODES = ["wls-node0", "wls-node1", "wls-node2"]
 
 @pytest.fixture(scope="module")
 def slurm():
-    reason = skip_reason()
-    if reason:
-        pytest.skip(reason)
-    cluster = SlurmCluster().up(nodes=3)
-    yield cluster
-    cluster.down()
+    yield from cluster_of(3)
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +67,7 @@ def _job(slurm: SlurmCluster, script: str, out: Path) -> int:
 def _power_off(node: str) -> list[int]:
     """Node's link down and every process in its namespace SIGKILLed (slurmd included)."""
     subprocess.run(["ip", "-n", node, "link", "set", "eth0", "down"], check=True)
-    pids = subprocess.run(
-        ["ip", "netns", "pids", node], capture_output=True, text=True, check=True
-    ).stdout.split()
-    killed = []
-    for pid in pids:
-        try:
-            os.kill(int(pid), 9)
-            killed.append(int(pid))
-        except ProcessLookupError:
-            continue
-    return killed
+    return kill_all(node)
 
 
 def test_a_lost_node_the_job_finishes_on_the_two_left(slurm, stage15_fp32, config, tmp_path):

@@ -7,18 +7,13 @@ bridge, so the client commands (sbatch, srun, squeue, scontrol, scancel) run rig
 Needs root. All nodes share this machine's filesystem and process table, so a job's
 files (tmp_path) are visible to the test and every node.
 
-Typical session fixture::
+Typical module fixture::
 
-    from tests.helpers.slurm import SlurmCluster, skip_reason
+    from tests.helpers.slurm import cluster_of
 
-    @pytest.fixture(scope="session")
+    @pytest.fixture(scope="module")
     def slurm():
-        reason = skip_reason()
-        if reason:
-            pytest.skip(reason)
-        cluster = SlurmCluster().up(nodes=2)
-        yield cluster
-        cluster.down()
+        yield from cluster_of(2)
 
     def test_x(slurm, tmp_path):
         job = slurm.sbatch("srun hostname", "--nodes=2", "--ntasks-per-node=1",
@@ -65,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .util import REPO
@@ -403,3 +398,16 @@ class SlurmCluster:
                 continue
             out.append(f"---- {log}\n" + "\n".join(text))
         return "\n".join(out)
+
+
+def cluster_of(nodes: int) -> Iterator[SlurmCluster]:
+    """A fixture's body: a cluster of ``nodes`` up for the tests, down after them (skipped
+    where one cannot be had)."""
+    import pytest
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster().up(nodes=nodes)
+    yield cluster
+    cluster.down()

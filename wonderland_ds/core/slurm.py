@@ -46,6 +46,14 @@ def expand_hostlist(spec: str) -> list[str]:
     return [h for h in spec.split(",") if h]
 
 
+def _ask(cmd: list[str]) -> str | None:
+    """A Slurm client command's output; None when it cannot be run or fails."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def parse_time(text: str) -> float | None:
     """Slurm's ``2026-12-03T09:10:00`` (local time) as a Unix time; None for Unknown/NONE."""
     try:
@@ -105,15 +113,8 @@ class Allocation:
     def end_time(self) -> float | None:
         """When Slurm ends the job (its time limit), as a Unix time; None when it has none
         or cannot be asked. Read afresh each call: ``scontrol update`` can move it."""
-        try:
-            out = subprocess.run(
-                ["squeue", "-h", "-j", self.job_id, "-o", "%e"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
+        out = _ask(["squeue", "-h", "-j", self.job_id, "-o", "%e"])
+        if out is None:
             return None
         return parse_time(out.splitlines()[0]) if out.strip() else None
 
@@ -121,15 +122,8 @@ class Allocation:
         """The job's nodes as Slurm holds them now (``scontrol show job``'s NodeList): after a
         node failure under ``--no-kill`` the job keeps the others and ``SLURM_JOB_NODELIST``
         is stale. None when Slurm cannot be asked."""
-        try:
-            out = subprocess.run(
-                ["scontrol", "show", "job", "-o", self.job_id],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=True,
-            ).stdout
-        except (OSError, subprocess.SubprocessError):
+        out = _ask(["scontrol", "show", "job", "-o", self.job_id])
+        if out is None:
             return None
         for field in out.split():
             if field.startswith("NodeList="):

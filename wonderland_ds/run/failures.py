@@ -74,19 +74,17 @@ def consequence(text: str) -> bool:
 _recorded = False
 
 
-def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = None) -> None:
-    """This rank failed with ``exc`` (``text``: a better explanation of it, such as which rank
-    a timeout waited for): write its record (never raises)."""
+def _write(stage_dir: Path, rank: int, error: str, **fields: object) -> None:
+    """This rank's record, written atomically (never raises: a full disk must not hide the
+    failure itself)."""
     global _recorded
-    first = (str(exc).strip().splitlines() or [""])[0][:400]
-    error = text or (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
     body = FailureRecord(
         rank=rank,
         host=socket.gethostname(),
         pid=os.getpid(),
         time=time.time(),
         error=error,
-        consequence=consequence(error),
+        **fields,  # type: ignore[arg-type]
     )
     try:
         folder = stage_dir / FOLDER
@@ -94,13 +92,20 @@ def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = No
         atomic_write_text(folder / f"rank{rank}.json", body.model_dump_json())
         _recorded = True
     except OSError:
-        pass  # a full disk must not hide the failure itself
+        pass
+
+
+def record(stage_dir: Path, rank: int, exc: BaseException, text: str | None = None) -> None:
+    """This rank failed with ``exc`` (``text``: a better explanation of it, such as which rank
+    a timeout waited for): write its record (never raises)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:400]
+    error = text or (f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+    _write(stage_dir, rank, error, consequence=consequence(error))
 
 
 def record_lost(stage_dir: Path, rank: int, beats: list[dict]) -> list[LostPeer]:
     """This rank leaves because the peers of ``beats`` stopped beating: its record names
     them (never raises)."""
-    global _recorded
     lost = [
         LostPeer(
             rank=int(b.get("rank", -1)),
@@ -116,22 +121,7 @@ def record_lost(stage_dir: Path, rank: int, beats: list[dict]) -> list[LostPeer]
         f"no heartbeat from {names} for {max(p.silent_s for p in lost):.0f} s: its host is lost"
         " or the process frozen"
     )
-    body = FailureRecord(
-        rank=rank,
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        time=time.time(),
-        error=error,
-        consequence=True,
-        lost=lost,
-    )
-    try:
-        folder = stage_dir / FOLDER
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / f"rank{rank}.json", body.model_dump_json())
-        _recorded = True
-    except OSError:
-        pass
+    _write(stage_dir, rank, error, consequence=True, lost=lost)
     return lost
 
 
