@@ -142,3 +142,88 @@ def test_the_first_step_after_the_resume_is_read_from_metrics(tmp_path):
     assert elastic.first_step_wall(tmp_path, 48) == 130.5
     assert elastic.first_step_wall(tmp_path, 49) is None
     assert elastic.first_step_wall(tmp_path / "none", 0) is None
+
+
+def _checkpoint(run_dir, step, world, grad_acc):
+    from wonderland_ds.checkpoint import contract as ck
+
+    root = run_dir / "stage16" / "checkpoints"
+    tag = root / ck.tag_for(step)
+    tag.mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"model")
+    meta = {"global_step": step, "world_size": world, "micro_batch": 8, "grad_acc": grad_acc}
+    ck.write_meta(tag, {**meta, "train_batch": 8 * grad_acc * world})
+    ck.set_latest(root, tag.name)
+
+
+def _nodes(tmp_path, hosts, min_nodes, exclude):
+    import argparse
+
+    from tests.conftest import TINY32
+    from wonderland_ds.config.hostfile import Hostfile
+    from wonderland_ds.launch.target import Target
+
+    hf = Hostfile(path="hf", hosts={h: 1 for h in hosts})
+    target = Target(hf, None, "pdsh")
+    args = argparse.Namespace(
+        stage=16, config=TINY32, min_nodes=min_nodes, nproc=None, resume="auto", grad_acc_steps=None
+    )
+    return elastic.Nodes(args, tmp_path, target, exclude), args, target
+
+
+def test_a_lost_host_is_left_out_and_the_batch_kept_then_grown_back(tmp_path, monkeypatch, capsys):
+    from wonderland_ds.run import manifest
+    from wonderland_ds.run.manifest import stage_record
+
+    _checkpoint(tmp_path, 48, world=3, grad_acc=4)
+    exclude: list[str] = []
+    nodes, args, target = _nodes(tmp_path, ["n0", "n1", "n2"], 2, exclude)
+    monkeypatch.setattr(elastic, "answers", lambda host, slurm: host != "n2")
+    now = time.time()
+    lost = [{"rank": 2, "host": "n2", "step": 50, "last_beat": now - 17, "silent_s": 16.0}]
+    manifest.update_stage(tmp_path, 16, world_size=3, lost=lost)
+    assert nodes.lost(stage_record(tmp_path, 16), None, None) is True
+    assert exclude == ["n2"] and target.world(None, exclude) == 2
+    said = capsys.readouterr().err
+    assert "global batch 96 kept: 8 x 4 x 3 becomes 8 x 6 x 2" in said, said
+    relaunch = nodes.before_launch(args, 2)
+    assert relaunch.grad_acc_steps == 6 and args.grad_acc_steps is None
+    (event,) = stage_record(tmp_path, 16).elastic
+    assert event["kind"] == "shrink" and event["lost_hosts"] == ["n2"] and event["steps_lost"] == 2
+    assert event["relaunch_s"] >= 17 and event["training_again_s"] is None
+    (tmp_path / "stage16" / "metrics.csv").write_text(
+        f"step,loss,wall\n48,1,{now}\n49,1,{now + 9}\n"
+    )
+    nodes.after_launch()
+    (event,) = stage_record(tmp_path, 16).elastic  # the same event, completed
+    assert event["training_again_s"] == pytest.approx(26, abs=0.2), event
+    # Grown back: the next command starts on three hosts from the 2-rank checkpoint.
+    _checkpoint(tmp_path, 60, world=2, grad_acc=6)
+    grown, args, _ = _nodes(tmp_path, ["n0", "n1", "n2"], 2, [])
+    assert grown.before_launch(args, 3).grad_acc_steps == 4
+    assert [e["kind"] for e in stage_record(tmp_path, 16).elastic] == ["shrink", "grow"]
+    with pytest.raises(Refused, match="cannot be kept on 5 ranks"):
+        grown.before_launch(args, 5)
+    # Without --min-nodes nothing changes: a plain restart.
+    plain, args, _ = _nodes(tmp_path, ["n0", "n1", "n2"], None, [])
+    assert plain.before_launch(args, 2) is args
+
+
+def test_too_few_hosts_left_or_a_host_that_answers(tmp_path, monkeypatch, capsys):
+    from wonderland_ds.run import manifest
+    from wonderland_ds.run.manifest import stage_record
+
+    _checkpoint(tmp_path, 48, world=2, grad_acc=3)
+    lost = [{"rank": 1, "host": "n1", "step": 50, "last_beat": time.time(), "silent_s": 16.0}]
+    manifest.update_stage(tmp_path, 16, world_size=2, lost=lost)
+    nodes, _, _ = _nodes(tmp_path, ["n0", "n1"], 2, [])
+    monkeypatch.setattr(elastic, "answers", lambda host, slurm: False)
+    assert nodes.lost(stage_record(tmp_path, 16), None, None) is False
+    assert (
+        "1 node(s) left (n0), fewer than --min-nodes 2: not relaunched" in capsys.readouterr().err
+    )
+    exclude: list[str] = []
+    nodes, _, _ = _nodes(tmp_path, ["n0", "n1"], 1, exclude)
+    monkeypatch.setattr(elastic, "answers", lambda host, slurm: True)
+    assert nodes.lost(stage_record(tmp_path, 16), None, None) is None and exclude == []
+    assert "answer (a process lost, not the host)" in capsys.readouterr().err

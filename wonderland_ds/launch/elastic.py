@@ -10,9 +10,12 @@ checkpoint's global batch again; a world that cannot keep it ends the stage.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import csv
 import socket
 import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -187,3 +190,178 @@ class LaunchWatch:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                 return
+
+
+class Nodes:
+    """The stage's nodes under ``--min-nodes``: a lost one left out of the relaunch, the
+    global batch kept on the world that is left (and on a larger one when it grows back),
+    each change recorded in run.json's ``elastic`` list and said on the console."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, target: Any, exclude: list[str]):
+        from wonderland_ds.launch.stage import load_config
+
+        self.args, self.run_dir, self.target, self.exclude = args, run_dir, target, exclude
+        self.stage_dir = run_dir / f"stage{args.stage}"
+        try:
+            settings = load_config(args.config, args.stage, None)[2]
+            self.min_nodes = min_nodes(args, settings)
+        except Refused:
+            self.min_nodes = None  # the launch refuses the config itself
+        self.pending: dict[str, Any] | None = None  # an event waiting for its first step
+        self.launched = 0.0
+
+    def hosts(self) -> list[str]:
+        t = self.target
+        names = list(t.hostfile.hosts) if t.hostfile is not None else list(t.hosts)
+        return [h for h in names if h not in self.exclude]
+
+    def before_launch(self, args: argparse.Namespace, world: int) -> argparse.Namespace:
+        """The launch's flags: under --min-nodes, a resume onto another world size than its
+        checkpoint's gets the accumulation that keeps the checkpoint's global batch (a
+        --grad-acc-steps given is the one of the checkpoint's world)."""
+
+        self.launched = time.time()
+        if self.min_nodes is None or args.resume is None:
+            return args
+        got = newest_meta(self.run_dir, args.stage)
+        if got is None or got[1].world_size in (None, world):
+            return args
+        meta = got[1]
+        gas = grad_acc_for(meta, world, args.config)  # Refused: the batch cannot be kept
+        out = copy.copy(args)
+        out.grad_acc_steps = gas
+        if self.pending is not None:  # a shrink decided after the last launch
+            self.pending["relaunch_s"] = round(time.time() - self.pending["_beat"], 1)
+        elif world > meta.world_size:
+            self.pending = {
+                "kind": "grow",
+                "at": iso(self.launched),
+                "_beat": self.launched,
+                "hosts": self.hosts(),
+                "from_world": meta.world_size,
+                "to_world": world,
+                "global_batch": meta.train_batch,
+                "grad_acc": [meta.grad_acc, gas],
+                "resumed_from_step": meta.global_step,
+            }
+            print(
+                f"stage {args.stage}: growing back from {meta.world_size} to {world} ranks on"
+                f" {len(self.hosts())} node(s); global batch {meta.train_batch} kept:"
+                f" gradient accumulation {meta.grad_acc} -> {gas}",
+                flush=True,
+            )
+        if self.pending is not None:
+            self._record({k: v for k, v in self.pending.items() if not k.startswith("_")})
+        return out
+
+    def after_launch(self) -> None:
+        """The first step trained after a change: how long it took from the loss (shrink) or
+        the launch (grow)."""
+
+        if self.pending is None:
+            return
+        wall = first_step_wall(self.stage_dir, self.pending.get("resumed_from_step") or 0)
+        if wall is None:
+            return  # not trained yet: the next launch measures it
+        self.pending["training_again_s"] = round(wall - self.pending["_beat"], 1)
+        from wonderland_ds.run import manifest
+
+        resume = manifest.stage_record(self.run_dir, self.args.stage).resume
+        if resume is not None and resume.seconds is not None:
+            self.pending["load_s"] = round(resume.seconds, 1)
+        self._record({k: v for k, v in self.pending.items() if not k.startswith("_")})
+        self.pending = None
+
+    def _record(self, event: dict[str, Any]) -> None:
+        from wonderland_ds.run import manifest
+
+        event = ElasticEvent(**event).model_dump()
+        events = list(manifest.stage_record(self.run_dir, self.args.stage).elastic)
+        if events and events[-1].get("at") == event["at"] and events[-1]["kind"] == event["kind"]:
+            events[-1] = event
+        else:
+            events.append(event)
+        manifest.update_stage(self.run_dir, self.args.stage, elastic=events)
+
+    def lost(self, entry: Any, settings: Any, newest: Any) -> bool | None:
+        """After a failed launch: None when no node was lost or --min-nodes is off (a plain
+        restart); True when the lost nodes are left out; False when too few are left."""
+
+        if self.min_nodes is None or not entry.lost:
+            return None
+        beats = entry.lost
+        suspects = sorted({str(b["host"]) for b in beats})
+        dead = [h for h in suspects if not answers(h, self.target.srun)]
+        if not dead:
+            print(
+                f"stage {self.args.stage}: {', '.join(suspects)} stopped beating but answer"
+                " (a process lost, not the host): restarting on the same nodes",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+        self.exclude[:] = sorted(set(self.exclude) | set(dead))
+        if self.target.srun and self.target.alloc is not None:
+            now = self.target.alloc.nodes_now()  # the job's nodes after Slurm shrank it
+            if now is not None:
+                self.exclude[:] = sorted(set(self.exclude) | (set(self.target.hosts) - set(now)))
+        left = self.hosts()
+        if len(left) < self.min_nodes:
+            print(
+                f"stage {self.args.stage}: lost {', '.join(dead)}; {len(left)} node(s) left"
+                f" ({', '.join(left)}), fewer than --min-nodes {self.min_nodes}: not relaunched",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        last = max(beats, key=lambda b: b["last_beat"])
+        world = self.target.world(self.args.nproc, self.exclude)
+        meta = newest_meta(self.run_dir, self.args.stage)
+        # How far the stage got: the survivors' heartbeats have the newest step.
+        from wonderland_ds.run.liveness import heartbeats
+
+        since = self.launched
+        steps = [
+            b.get("step") or 0
+            for b in [*beats, *heartbeats(self.stage_dir)]
+            if float(b.get("time", b.get("last_beat", 0.0))) >= since
+        ]
+        reached = max(steps, default=0)
+        saved = meta[1].global_step if meta else None
+        from_world = entry.world_size or world
+        event: dict[str, Any] = {
+            "kind": "shrink",
+            "at": iso(time.time()),
+            "_beat": last["last_beat"],
+            "hosts": left,
+            "lost_hosts": dead,
+            "last_heartbeat": iso(last["last_beat"]),
+            "last_heartbeat_step": last.get("step"),
+            "from_world": from_world,
+            "to_world": world,
+            "resumed_from_step": saved,
+            "steps_lost": max(0, reached - saved) if saved is not None else reached,
+            "detect_s": round(
+                min(b["last_beat"] + b["silent_s"] for b in beats) - last["last_beat"], 1
+            ),
+        }
+        if meta is not None and meta[1].train_batch:
+            m = meta[1]
+            gas = grad_acc_for(m, world, self.args.config)
+            event |= {"global_batch": m.train_batch, "grad_acc": [m.grad_acc, gas]}
+            batch = (
+                f"global batch {m.train_batch} kept: {m.micro_batch} x {m.grad_acc} x {from_world}"
+                f" becomes {m.micro_batch} x {gas} x {world}"
+            )
+        else:
+            event |= {"global_batch": 0, "grad_acc": []}
+            batch = "no checkpoint yet: the stage starts again from its source"
+        self.pending = event
+        print(
+            f"stage {self.args.stage}: lost {', '.join(dead)} (last heartbeat"
+            f" {event['last_heartbeat']}, step {last.get('step')}); continuing on {len(left)}"
+            f" node(s) ({', '.join(left)}) from step {saved}; {batch}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
