@@ -182,7 +182,7 @@ def test_a_lost_host_is_left_out_and_the_batch_kept_then_grown_back(tmp_path, mo
     now = time.time()
     lost = [{"rank": 2, "host": "n2", "step": 50, "last_beat": now - 17, "silent_s": 16.0}]
     manifest.update_stage(tmp_path, 16, world_size=3, lost=lost)
-    assert nodes.lost(stage_record(tmp_path, 16), None, None) is True
+    assert nodes.lost(stage_record(tmp_path, 16)) is True
     assert exclude == ["n2"] and target.world(None, exclude) == 2
     said = capsys.readouterr().err
     assert "global batch 96 kept: 8 x 4 x 3 becomes 8 x 6 x 2" in said, said
@@ -218,12 +218,12 @@ def test_too_few_hosts_left_or_a_host_that_answers(tmp_path, monkeypatch, capsys
     manifest.update_stage(tmp_path, 16, world_size=2, lost=lost)
     nodes, _, _ = _nodes(tmp_path, ["n0", "n1"], 2, [])
     monkeypatch.setattr(elastic, "answers", lambda host, slurm: False)
-    assert nodes.lost(stage_record(tmp_path, 16), None, None) is False
+    assert nodes.lost(stage_record(tmp_path, 16)) is False
     assert (
         "1 node(s) left (n0), fewer than --min-nodes 2: not relaunched" in capsys.readouterr().err
     )
     exclude: list[str] = []
     nodes, _, _ = _nodes(tmp_path, ["n0", "n1"], 1, exclude)
     monkeypatch.setattr(elastic, "answers", lambda host, slurm: True)
-    assert nodes.lost(stage_record(tmp_path, 16), None, None) is None and exclude == []
+    assert nodes.lost(stage_record(tmp_path, 16)) is None and exclude == []
     assert "answer (a process lost, not the host)" in capsys.readouterr().err

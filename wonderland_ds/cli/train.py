@@ -157,7 +157,7 @@ def _train(args: argparse.Namespace, sup: Supervisor) -> int:
         many_hosts = len(target.hostfile.hosts) > 1 if target.hostfile else len(target.hosts) > 1
         if args.exclude_failed_hosts and failed and many_hosts:
             exclude[:] = sorted(set(exclude) | set(failed))
-        shrink = nodes.lost(entry, settings, newest)
+        shrink = nodes.lost(entry)
         if shrink is False:
             break  # fewer nodes left than --min-nodes: said
         restarts.append(

@@ -283,7 +283,7 @@ class Nodes:
             events.append(event)
         manifest.update_stage(self.run_dir, self.args.stage, elastic=events)
 
-    def lost(self, entry: Any, settings: Any, newest: Any) -> bool | None:
+    def lost(self, entry: Any) -> bool | None:
         """After a failed launch: None when no node was lost or --min-nodes is off (a plain
         restart); True when the lost nodes are left out; False when too few are left."""
 
