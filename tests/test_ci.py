@@ -50,10 +50,7 @@ def test_ci_stops_at_a_failing_lint_step(tmp_path):
         "pytest -m proofs",
         "pytest -m multinode",
         "pytest -m slurm",
-        "pytest -m matrix",
-        "pytest -m downstream",
-        "pytest -m examples",
-        "pytest -m bench",
+        "pytest -m matrix or downstream or examples or bench -n 2 --dist loadgroup",
     ]
 
 
@@ -88,3 +85,7 @@ def test_a_skipped_family_or_a_failed_import_fails_in_ci(tmp_path):
         inside.stdout
     )
     assert "1 skipped" in inside.stdout  # an honest skip stays one
+    # The same on CI's two workers (pytest-xdist): a worker's skipped family fails too.
+    workers = run_pytest(tmp_path, True, "-rA", "--continue-on-collection-errors", "-n", "2")
+    assert workers.returncode == 1, workers.stdout
+    assert "the slurm family was skipped in CI: needs root" in workers.stdout

@@ -83,6 +83,7 @@ def close(a, b, rel: float = 1e-4) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.downstream
+@pytest.mark.xdist_group("lm_eval")  # the module's stage-15 run, shared
 def test_the_pipeline_scores_the_tasks_as_lm_eval_does_on_the_export(pipeline):
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -142,6 +143,7 @@ def test_the_pipeline_scores_the_tasks_as_lm_eval_does_on_the_export(pipeline):
 
 @pytest.mark.slow
 @pytest.mark.downstream
+@pytest.mark.xdist_group("lm_eval")  # the module's stage-15 run, shared
 def test_the_report_and_status_show_each_task_with_its_error(pipeline):
     ok(pipeline.result)
     report = json.loads((pipeline.stage17 / "report.json").read_text())
@@ -159,6 +161,7 @@ def test_the_report_and_status_show_each_task_with_its_error(pipeline):
 
 @pytest.mark.slow
 @pytest.mark.downstream
+@pytest.mark.xdist_group("lm_eval")  # the module's stage-15 run, shared
 def test_a_stage16_that_unlearned_the_task_fails_the_gate_naming_it(unlearned):
     result = unlearned.stage17
     assert result.returncode == 3, out(result)[-5000:]
