@@ -2,10 +2,16 @@
 # Scaling of cost with work: step time and checkpoint save time of the byte-level
 # GPT for model sizes spanning 28x (0.9M -> 25.5M parameters, 2 ranks), and for 1 -> 2 -> 3
 # ranks at 10.9M parameters; then bench/plot_scaling.py draws bench/scaling.png.
-#   bash bench/bench_scaling.sh [OUT_DIR]        (about 12 minutes on 2 cores)
+#   bash bench/bench_scaling.sh [OUT_DIR [PNG]]        (about 12 minutes on 2 cores)
+# SCALING_QUICK=1: two tiny sizes, and 1 and 3 ranks at the smaller (a smoke test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results/scaling}
+png=${2:-bench/scaling.png}
+sizes=("128 4" "256 4" "384 6" "512 8") wide="384 6"
+if [ "${SCALING_QUICK:-0}" = 1 ]; then
+  sizes=("32 1" "64 1") wide="32 1"
+fi
 mkdir -p "$out"
 DS=.venv/bin/deepspeed
 export OMP_NUM_THREADS=1
@@ -17,10 +23,12 @@ run() {  # NPROC DIM LAYERS
     --steps 8 --reps 1 --save 3 > "$out/$name.log" 2>&1
   echo "== $name"
 }
-for size in "128 4" "256 4" "384 6" "512 8"; do
-  # shellcheck disable=SC2086
+# shellcheck disable=SC2086
+for size in "${sizes[@]}"; do
   run 2 $size
 done
-run 1 384 6
-run 3 384 6
-.venv/bin/python bench/plot_scaling.py "$out" bench/scaling.png
+# shellcheck disable=SC2086
+run 1 $wide
+# shellcheck disable=SC2086
+run 3 $wide
+.venv/bin/python bench/plot_scaling.py "$out" "$png"

@@ -15,6 +15,8 @@
   (the noise floor).
 * export: stage 18's streamed writer on each stage-15 checkpoint above, in a fresh process: its
   peak RSS above the process after imports, against the model's fp32 size.
+
+``--quick`` runs every part at a tiny size (a smoke test of the script, not a measurement).
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ LLAMA = {
     "long": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                  num_attention_heads=8, vocab_size=4096),
 }  # fmt: skip
+QUICK = {
+    "big": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=4096),
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, vocab_size=4096),
+    "long": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=4, vocab_size=4096),
+}  # fmt: skip
+#: The memory part's world sizes (``--quick``: 2 and 3).
+WORLDS = [4, 8]
 
 
 def env(live: bool = False) -> dict[str, str]:
@@ -151,9 +163,14 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=4, help="steps left out of the timing")
     ap.add_argument("--long-seq", type=int, default=2048)
     ap.add_argument("--work", help="working folder (default: a temporary one)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
     ap.add_argument("--parts", default="memory,checkpointing,step,export",
                     help="what to measure; results merge into --out's earlier ones")  # fmt: skip
     args = ap.parse_args()
+    if args.quick:
+        LLAMA.update(QUICK)
+        WORLDS[:] = [2, 3]
+        args.reps, args.steps, args.warm, args.long_seq = 1, 3, 1, 128
     parts = set(args.parts.split(","))
     if "export" in parts and "memory" not in parts:
         ap.error("export reads the memory part's checkpoints: add memory to --parts")
@@ -162,7 +179,7 @@ def main() -> None:
     params = {n: llama(work / n, n, args.long_seq) for n in LLAMA}
     out = Path(args.out)
     result: dict = json.loads(out.read_text()) if out.exists() else {}
-    result["parameters"] = params
+    result["parameters"], result["quick"] = params, args.quick
     if "memory" in parts:
         runs = memory(result, work, params)
     if "checkpointing" in parts:
@@ -171,7 +188,7 @@ def main() -> None:
         step(result, work, args)
     if "export" in parts:
         result["export"] = {
-            name: export_peak(work / name, runs[name, 4], work / f"export_{name}")
+            name: export_peak(work / name, runs[name, WORLDS[0]], work / f"export_{name}")
             for name in ("tiny", "big")
         }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +201,7 @@ def memory(result: dict, work: Path, params: dict) -> dict:
     """Rank memory vs world size: 3 steps each, micro 1 x 64 tokens."""
     result["memory_vs_world"] = {}
     runs = {}
-    for ranks in (4, 8):
+    for ranks in WORLDS:
         for name in ("tiny", "big"):
             cfg = config(work, f"{name}{ranks}", work / name, 64, 1)
             runs[name, ranks] = work / f"run_{name}{ranks}"
@@ -192,13 +209,13 @@ def memory(result: dict, work: Path, params: dict) -> dict:
             result["memory_vs_world"][f"{name}@{ranks}"] = got["peak_rss_mb"]
             print(f"{name} on {ranks} ranks: peak RSS {got['peak_rss_mb']}", flush=True)
     above = {}
-    for ranks in (4, 8):
+    for ranks in WORLDS:
         base = max(result["memory_vs_world"][f"tiny@{ranks}"])
         above[ranks] = max(result["memory_vs_world"][f"big@{ranks}"]) - base
     result["model_mb_per_rank_above_baseline"] = above
-    result["fall_4_to_8"] = above[8] / above[4]
+    result["fall_4_to_8"] = above[WORLDS[1]] / above[WORLDS[0]]  # quick: 2 to 3
     result["model_states_mb_per_rank_expected"] = {
-        r: 16 * (params["big"] - params["tiny"]) / r / 2**20 for r in (4, 8)
+        r: 16 * (params["big"] - params["tiny"]) / r / 2**20 for r in WORLDS
     }
     return runs
 
@@ -221,7 +238,8 @@ def checkpointing(result: dict, work: Path, long_seq: int) -> None:
 
 def step(result: dict, work: Path, args: argparse.Namespace) -> None:
     """Step time, ZeRO-3 with checkpointing, 2 ranks, micro 4 x 256 on the small Llama."""
-    side_cfg = config(work, "step", work / "long", 256, 4, gradient_checkpointing=True)
+    seq = min(256, args.long_seq)  # the long model has long_seq positions
+    side_cfg = config(work, "step", work / "long", seq, 4, gradient_checkpointing=True)
     sides: dict[str, list[float]] = {"wonderland": [], "plain": [], "plain_again": []}
     order = list(sides)
     for rep in range(args.reps):

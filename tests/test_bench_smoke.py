@@ -294,3 +294,69 @@ def test_resume_bench_one_tiny_repetition(tmp_path):
         assert summary[side]["median_s"] > 0, summary
     assert summary["ratio_same"]["paired_median"] > 0 and summary["ratio_changed"]["median"] > 0
     assert got["checkpoint_bytes"] > 0 and got["disk"]["write_Bps"] > 0
+
+
+@pytest.mark.bench  # every part at a tiny size: ten launches and two exports
+def test_zero3_bench_quick(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_zero3.py", "--quick", "--out", str(out)]
+    got = run_bench([*cmd, "--work", str(tmp_path / "work")], out, 900)
+    assert got["quick"] and set(got["memory_vs_world"]) == {"tiny@2", "big@2", "tiny@3", "big@3"}
+    assert got["fall_4_to_8"] > 0 and set(got["model_states_mb_per_rank_expected"]) == {"2", "3"}
+    ck = got["checkpointing"]
+    assert ck["cut"] != 0 and "activation_peak_mb_ckpt_True" in ck, ck
+    step = got["step"]
+    assert all(len(v) == 1 and v[0] > 0 for v in step["sides_s"].values()), step
+    assert step["ratio_paired"] > 0 and step["noise_floor_plain_again"] > 0
+    for name in ("tiny", "big"):
+        assert got["export"][name]["export_bytes"] > 0 and got["export"][name]["peak_mb"] > 0
+
+
+@pytest.mark.bench  # a stage-15 checkpoint of a small GPT, then each converter once
+def test_convert_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_convert.py", "--dim", "64", "--layers", "2"]
+    got = run_bench([*cmd, "--reps", "1", "--out", str(out)], out, 600)
+    assert len(got["runs"]["stock"]) == len(got["runs"]["wonderland"]) == 1
+    s = got["summary"]
+    assert s["speedup_median"] > 0 and s["wonderland"]["vs_disk_median"] > 0, s
+    assert got["checkpoint_bytes"] > 0 and got["disk"]["write_Bps"] > 0
+
+
+@pytest.mark.bench  # the three sides of the stop agreement on a tiny GPT-2, 2 ranks
+def test_stop_bench_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check", "--master_addr"]
+    cmd += ["127.0.0.1", "--master_port", str(free_port()), "bench/bench_stop.py"]
+    cmd += ["--steps", "4", "--warm", "1", "--reps", "1", "--vocab", "512", "--seq-len", "32"]
+    got = run_bench([*cmd, "--out", str(out)], out, 600)
+    assert set(got["mean_step_s"]) == {"wonderland", "no-agreement", "wonderland-again"}
+    assert all(len(v) == 1 and v[0] > 0 for v in got["mean_step_s"].values()), got
+    assert got["ratio_to_no_agreement"]["no-agreement"]["paired"] == 1.0
+    assert got["agreement_in_loop_s_per_step"]["median"] > 0
+    assert got["token_check_s_per_step"]["median"] >= 0
+
+
+@pytest.mark.bench  # two widths of a tiny GPT-2, each stopped by SIGTERM after its steps
+def test_signal_exit_bench_two_tiny_widths(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/bench_signal_exit.py", "--widths", "32,64", "--layers", "1"]
+    cmd += ["--vocab", "512", "--seq-len", "16", "--work", str(tmp_path / "w")]
+    got = run_bench([*cmd, "--out", str(out)], out, 600)
+    rows = got["runs"]
+    assert [r["width"] for r in rows] == [32, 64], rows
+    assert rows[1]["checkpoint_bytes"] > rows[0]["checkpoint_bytes"] > 0, rows
+    assert all(r["exit_code"] == 4 and r["step"] and r["request_to_saved_s"] for r in rows), rows
+    assert all(r["signal_to_exit_s"] > 0 for r in rows) and got["disk_write_Bps"] > 0
+
+
+@pytest.mark.bench  # the scaling script at two tiny sizes and 1 and 3 ranks: four launches
+def test_scaling_script_quick_draws_its_table(tmp_path):
+    out, png = tmp_path / "scaling", tmp_path / "scaling.png"
+    env = dict(ENV, SCALING_QUICK="1")
+    r = subprocess.run(["bash", "bench/bench_scaling.sh", str(out), str(png)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "M |" in line]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "2", "2", "3"], r.stdout
+    assert png.stat().st_size > 0 and len(list(out.glob("pylm_*.json"))) == 4
