@@ -25,6 +25,8 @@ _DATE = re.compile(
     r"\b20\d\d-\d\d(-\d\d)?\b|\b\d{1,2} (January|February|March|April|May|June|July|August"
     r"|September|October|November|December) 20\d\d\b"
 )
+#: docs/performance.md's summary rows end with the date each result was measured, by design.
+_MEASURED = re.compile(r"\| 20\d\d-\d\d-\d\d, \[how\]\(#[\w-]+\) \|$", re.M)
 _SESSION = re.compile(
     r"\b(this|that|next|previous|earlier|later|last|first|second|third|fourth|fifth|sixth"
     r"|seventh|eighth|ninth|tenth|eleventh|twelfth)\s+session\b",
@@ -99,6 +101,8 @@ def test_no_dated_log_or_session_talk():
     bad = []
     for page in PAGES:
         text = _prose(_text(page))
+        if page.name == "performance.md":
+            text = _MEASURED.sub("|", text)
         for heading in _HEADING.findall(text):
             if _DATE.search(heading) or re.search(r"re-?run on|session", heading, re.I):
                 bad.append(f"{_rel(page)}: heading {heading!r}")

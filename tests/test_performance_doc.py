@@ -3,6 +3,7 @@ each command line it gives parses with that script's own flags (none missing, no
 
 from __future__ import annotations
 
+import datetime
 import re
 import subprocess
 import sys
@@ -78,3 +79,68 @@ def test_a_command_without_a_required_flag_fails():
     """The control: the resume benchmark's command without its ``--out`` does not parse."""
     r = parse("python bench/bench_resume.py --reps 6")
     assert r.returncode == 2 and "PARSED" not in r.stdout and "--out" in r.stderr, r.stderr
+
+
+#: A summary row's last cell: when the result was measured, and the section with its command.
+MEASURED = re.compile(r"\| (20\d\d-\d\d-\d\d), \[how\]\(#([\w-]+)\) \|$")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def sections() -> dict[str, str]:
+    text = PAGE.read_text(encoding="utf-8")
+    parts = re.split(r"^## (.+)$", text, flags=re.M)
+    return {slug(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def summary_rows() -> list[str]:
+    lines = PAGE.read_text(encoding="utf-8").splitlines()
+    at = lines.index("| bar | target | result | measured |")
+    rows = []
+    for line in lines[at + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def section_commands(body: str) -> list[str]:
+    """The command lines of a section's code blocks."""
+    lines = []
+    for block in re.findall(r"```\w*\n(.*?)```", body.replace("\\\n", " "), re.S):
+        lines += [ln.strip() for ln in block.splitlines() if ln.strip()]
+    return [c for c in lines if re.search(r"bench/|pytest|wonderland ", c)]
+
+
+def test_every_result_names_its_date_and_a_section_with_its_command():
+    rows, found = summary_rows(), sections()
+    assert len(rows) >= 20, rows
+    for row in rows:
+        m = MEASURED.search(row)
+        assert m, f"no 'DATE, [how](#section)' cell: {row}"
+        when = datetime.date.fromisoformat(m.group(1))
+        assert datetime.date(2026, 11, 1) <= when <= datetime.date.today(), row
+        assert m.group(2) in found, f"no section #{m.group(2)}: {row}"
+        assert section_commands(found[m.group(2)]), f"#{m.group(2)} gives no command"
+
+
+def test_a_row_without_its_section_or_date_is_caught():
+    """The control: a row that lost its date, and one that points at no section."""
+    assert not MEASURED.search("| a bar | <= 1x | met: 1.0x |")
+    m = MEASURED.search("| a bar | <= 1x | met | 2026-12-01, [how](#no-such-section) |")
+    assert m and m.group(2) not in sections()
+
+
+def test_every_script_the_page_runs_is_run_by_a_test():
+    """Each bench/ script in the page's commands is started by a test (at a small size)."""
+    scripts = set()
+    for body in sections().values():
+        for command in section_commands(body):
+            scripts |= set(re.findall(r"bench/\w+\.(?:py|sh)", command))
+    scripts |= {s for c in commands() for s in re.findall(r"bench/\w+\.(?:py|sh)", c)}
+    started = "\n".join(p.read_text(encoding="utf-8") for p in (REPO / "tests").glob("test_*.py"))
+    missing = sorted(s for s in scripts if f'"{s}"' not in started)
+    assert len(scripts) >= 12 and not missing, f"no test runs: {missing}"
