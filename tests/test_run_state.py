@@ -127,6 +127,16 @@ def test_a_taken_port_is_never_handed_to_the_launcher(monkeypatch):
     assert got != port and launch.port_free(got)
 
 
+def test_an_automatic_port_lies_outside_the_ephemeral_range(monkeypatch):
+    lo, hi = launch.ephemeral_range()
+    picks = {launch.pick_port() for _ in range(20)}
+    assert all(not lo <= p <= hi and launch.port_free(p) for p in picks), (lo, hi, picks)
+    assert len(picks) > 10  # drawn at random: two jobs starting together draw apart
+    # Control: where the ephemeral range covers the whole range, bind(0)'s port, from it.
+    monkeypatch.setattr(launch, "ephemeral_range", lambda: (1, 65535))
+    assert lo <= launch.free_port() <= hi
+
+
 def test_optimizer_names_deepspeed_resolves_late_are_checked_now(tmp_path):
     from wonderland_ds.config import ds_config
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,16 +28,38 @@ def same(a, b) -> bool:
 
 
 def wonderland(*args: str, timeout: int = 240, env: dict[str, str] | None = None):
-    """Run the `wonderland` command as a user would (a separate process)."""
+    """Run the `wonderland` command as a user would (a separate process). Past ``timeout``
+    the command and everything it started (launcher, ranks) are killed, and the failure
+    carries the tail of each rank's log, so a hang says where it hung."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", "wonderland_ds.cli.main", *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=REPO,
         env=full_env,
-    )
+        start_new_session=True,  # its own process group: the ranks go with it on a timeout
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(
+                f"wonderland {' '.join(args)}: still running after {timeout} s\n"
+                f"{out[-3000:]}{err[-3000:]}{rank_logs(args)}"
+            ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def rank_logs(args: tuple[str, ...], tail: int = 3000) -> str:
+    """The end of every rank log under the command's ``--run-dir``, newest stage first."""
+    if "--run-dir" not in args:
+        return ""
+    run_dir = Path(args[args.index("--run-dir") + 1])
+    logs = sorted(run_dir.glob("stage*/logs/*.log"), key=lambda p: -p.stat().st_mtime)
+    return "".join(f"\n--- {p}:\n{p.read_text(errors='replace')[-tail:]}" for p in logs)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

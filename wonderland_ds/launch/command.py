@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import random
 import shutil
 import signal
 import socket
@@ -30,10 +31,37 @@ def deepspeed_bin() -> str:
     return str(near) if near.exists() else (shutil.which("deepspeed") or "deepspeed")
 
 
+#: Where automatically chosen rendezvous ports come from: DeepSpeed's and torchrun's 29500 is
+#: in it, and it lies below Linux's default ephemeral range (32768-60999).
+PORT_RANGE = (20000, 30000)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux), else none."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 0, -1
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, outside the ephemeral range. A port from that range (what
+    ``bind(0)`` returns) can be taken before the rendezvous binds it by any outgoing
+    connection, another job's gloo mesh or a rank's own retried connect to it (a TCP
+    self-connect), and the store's clients then talk to the wrong peer or to themselves."""
+    lo, hi = ephemeral_range()
+    candidates = [p for p in range(*PORT_RANGE) if not lo <= p <= hi]
+    pick = random.SystemRandom()  # not the seeded global one: concurrent jobs draw apart
+    for _ in range(50):
+        port = pick.choice(candidates) if candidates else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1} after 50 tries")
 
 
 def port_free(port: int) -> bool:
