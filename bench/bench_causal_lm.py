@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +100,9 @@ def wonderland_side(config: Path, run: Path, steps: int, warm: int) -> dict:
 
 
 def plain_side(config: Path, out: Path, steps: int, warm: int, extra: tuple[str, ...] = ()) -> dict:
-    port = 29500 + int(time.time() * 1000) % 400
+    from wonderland_ds.launch.command import free_port
+
+    port = free_port()  # outside the ephemeral range, free now, as the engine's own launches
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check", "--master_addr"]
     cmd += ["127.0.0.1", "--master_port", str(port), str(REPO / "bench" / "plain_causal_lm.py")]
     cmd += ["--config", str(config), "--steps", str(steps), "--out", str(out), *extra]

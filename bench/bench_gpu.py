@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -127,7 +126,9 @@ def wonderland_side(config: Path, folder: Path, size: dict) -> dict:
 
 
 def plain_side(config: Path, out: Path, size: dict) -> dict:
-    port = str(29500 + int.from_bytes(os.urandom(1), "big"))
+    from wonderland_ds.launch.command import free_port
+
+    port = str(free_port())  # outside the ephemeral range, free now, as the engine's own launches
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "1", "--no_ssh_check", "--master_addr"]
     cmd += ["127.0.0.1", "--master_port", port, str(REPO / "bench" / "plain_causal_lm.py")]
     cmd += ["--config", str(config), "--steps", str(size["steps"]), "--out", str(out)]

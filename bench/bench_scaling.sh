@@ -15,10 +15,13 @@ fi
 mkdir -p "$out"
 DS=.venv/bin/deepspeed
 export OMP_NUM_THREADS=1
+port() {  # a free rendezvous port, drawn as the engine draws its own
+  .venv/bin/python -c 'from wonderland_ds.launch.command import free_port; print(free_port())'
+}
 run() {  # NPROC DIM LAYERS
   local n=$1 dim=$2 layers=$3 name="pylm_d$2_l$3_n$1"
   $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 \
-    --master_port $((29600 + RANDOM % 300)) bench/bench_engine.py --out "$out/$name.json" \
+    --master_port $(port) bench/bench_engine.py --out "$out/$name.json" \
     --task pylm --dim "$dim" --layers "$layers" --micro 2 --gas 1 --zero 2 \
     --steps 8 --reps 1 --save 3 > "$out/$name.log" 2>&1
   echo "== $name"

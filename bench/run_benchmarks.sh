@@ -7,9 +7,12 @@ out=${1:-bench/results}
 mkdir -p "$out"
 DS=.venv/bin/deepspeed
 export OMP_NUM_THREADS=1
+port() {  # a free rendezvous port, drawn as the engine draws its own
+  .venv/bin/python -c 'from wonderland_ds.launch.command import free_port; print(free_port())'
+}
 launch() {  # NPROC OUT ARGS...
   local n=$1 name=$2; shift 2
-  $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 --master_port $((29600 + RANDOM % 300)) \
+  $DS --num_gpus "$n" --no_ssh_check --master_addr 127.0.0.1 --master_port $(port) \
     bench/bench_engine.py --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
   echo "== $name"; cat "$out/$name.json"
 }
@@ -20,7 +23,7 @@ launch 2 steps_pylm_z2 --task pylm --zero 2 --micro 8 --gas 2 --steps 40 --reps 
 #     check's all-reduce blocking vs overlapped
 .venv/bin/python bench/bench_parts.py --steps 400 --reps 5 --out "$out/parts.json"
 for w in spin sleep; do
-  .venv/bin/torchrun --nproc_per_node 2 --master_port $((29900 + RANDOM % 90)) \
+  .venv/bin/torchrun --nproc_per_node 2 --master_port $(port) \
     bench/bench_check_allreduce.py --reps 300 --work "$w" --out "$out/check_allreduce_$w.json" > /dev/null 2>&1
   echo "== check_allreduce_$w"; cat "$out/check_allreduce_$w.json"
 done
