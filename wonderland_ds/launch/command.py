@@ -52,15 +52,15 @@ def free_port() -> int:
     self-connect), and the store's clients then talk to the wrong peer or to themselves."""
     lo, hi = ephemeral_range()
     candidates = [p for p in range(*PORT_RANGE) if not lo <= p <= hi]
+    if not candidates:  # the kernel hands out the whole range: bind(0)'s port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
     pick = random.SystemRandom()  # not the seeded global one: concurrent jobs draw apart
     for _ in range(50):
-        port = pick.choice(candidates) if candidates else 0
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
+        port = pick.choice(candidates)
+        if port_free(port):
+            return port
     raise RuntimeError(f"no free port in {PORT_RANGE[0]}-{PORT_RANGE[1] - 1} after 50 tries")
 
 
