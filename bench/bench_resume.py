@@ -109,7 +109,9 @@ def wonderland(cfg: Path, src: Path, work: Path, name: str, hostfile: str) -> di
 
 def deepspeed(cfg: Path, ckpt: Path, work: Path, name: str, nproc: int) -> dict:
     out_json = work / f"{name}.json"
-    port = str(29700 + int.from_bytes(os.urandom(1), "big"))
+    from wonderland_ds.launch.command import free_port
+
+    port = str(free_port())  # outside the ephemeral range, free now, as the engine's own launches
     # A fresh copy of the checkpoint, as the wonderland side resumes from a fresh copy of the
     # run: reading files copied just before is measurably slower here (a conversion of a
     # fresh copy took 2.0-2.4 s, of the same files a minute later 0.65-0.95 s), so both sides

@@ -6,8 +6,8 @@ The checkpoint and both commands are bench_resume.py's (25.5M-parameter GPT, ZeR
 ranks, each side resuming from a fresh copy). Each output line is stamped with the seconds
 since the command started, and these milestones are read from it:
 
-* wonderland: ``front_done`` (the front printed its launch line), ``spawned`` (DeepSpeed's
-  launcher started the ranks), ``resumed`` (the checkpoint is loaded and checked),
+* wonderland: ``front_done`` (the front printed its launch line), ``spawned`` (the first
+  rank's interpreter started, read from the ``sitecustomize`` below), ``resumed`` (the checkpoint is loaded and checked),
   ``start_check_done`` (the all-reduce verification table), ``first_step`` (metrics.csv);
 * DeepSpeed: ``spawned``, ``imported`` (torch, DeepSpeed and the model built), ``loaded``
   (initialize and load_checkpoint), ``first_step``.
@@ -40,14 +40,15 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_resume import BIN, config, env, first_step_wall  # noqa: E402
 
 #: Installed as ``sitecustomize`` for both sides: every collection's end (wall clock) and
-#: duration, one line each, to GCLOG_DIR/<pid>.log, whose first line names the process.
+#: duration, one line each, to GCLOG_DIR/<pid>.log, whose first line names the process and
+#: when its interpreter started.
 GC_TIMER = """
 import gc, os, sys, time
 _dir = os.environ.get("GCLOG_DIR")
 if _dir:
     _fd = os.open(f"{_dir}/{os.getpid()}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     _argv0 = (getattr(sys, "argv", None) or [""])[0]
-    os.write(_fd, f"{os.environ.get('RANK', '-')} {_argv0}\\n".encode())
+    os.write(_fd, f"{os.environ.get('RANK', '-')} {time.time():.4f} {_argv0}\\n".encode())
     _t = [0.0]
     def _timer(phase, info):
         if phase == "start":
@@ -58,13 +59,13 @@ if _dir:
 """
 
 
-def gc_seconds(folder: Path, until: float) -> dict[str, float]:
-    """Seconds each process spent collecting before ``until`` (wall clock), by role."""
-    out: dict[str, float] = {}
+def processes(folder: Path) -> list[tuple[str, float, list[str]]]:
+    """Each logged process: its role, when it started (wall clock) and its collection lines."""
+    out = []
     for log in sorted(folder.glob("*.log")):
         head, *lines = log.read_text().splitlines()
-        rank, _, argv0 = head.partition(" ")
-        if rank != "-" and argv0.endswith(".py") and "launcher" not in argv0:
+        rank, started, argv0 = head.split(" ", 2)
+        if rank != "-":  # DeepSpeed's launcher sets RANK for its ranks only (`-m` or a script)
             role = f"rank{rank}"
         elif argv0 == "-m" or argv0.endswith("launch.py"):  # python -m deepspeed.launcher.launch
             role = "launcher"
@@ -74,9 +75,22 @@ def gc_seconds(folder: Path, until: float) -> dict[str, float]:
             role = "front"
         else:
             continue  # the benchmark's own helpers (none expected)
+        out.append((role, float(started), lines))
+    return out
+
+
+def gc_seconds(folder: Path, until: float) -> dict[str, float]:
+    """Seconds each process spent collecting before ``until`` (wall clock), by role."""
+    out: dict[str, float] = {}
+    for role, _, lines in processes(folder):
         spent = sum(float(d) for w, d in (x.split() for x in lines) if float(w) <= until)
         out[role] = round(out.get(role, 0.0) + spent, 3)
     return out
+
+
+def spawned(folder: Path) -> float:
+    """When the first rank's interpreter started (wall clock), the same on both sides."""
+    return min(t for role, t, _ in processes(folder) if role.startswith("rank"))
 
 
 def stamped(
@@ -151,12 +165,12 @@ def main() -> None:
             cmd += ["--hostfile", "hostfiles/localhost"]
             marks = {
                 "front_done": "launch: ",
-                "spawned": "spawned with command",
                 "resumed": "stage 16: resumed",
                 "start_check_done": "all-reduce verification",
             }
             t0, got = stamped(cmd, work / f"wl{rep}.log", marks, gc_env(f"wl{rep}"))
             got["first_step"] = first_step_wall(run_dir, 16) - t0
+            got["spawned"] = spawned(work / f"gc-wl{rep}") - t0
             row: dict = {k: round(v, 2) for k, v in got.items()}
             row["gc_s"] = gc_seconds(work / f"gc-wl{rep}", t0 + got["first_step"])
             out["wonderland"].append(row)
@@ -165,16 +179,17 @@ def main() -> None:
             shutil.rmtree(fresh.parent, ignore_errors=True)
             shutil.copytree(src / "stage15" / "checkpoints" / tag, fresh, symlinks=True)
             os.sync()
-            port = str(29700 + int.from_bytes(os.urandom(1), "big"))
+            from wonderland_ds.launch.command import free_port
+
+            port = str(free_port())  # outside the ephemeral range and free, as the engine picks
             done = work / "ds.json"
             cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check"]
             cmd += ["--master_addr", "127.0.0.1", "--master_port", port, "bench/ds_resume.py"]
             cmd += ["--config", str(cfg), "--load-dir", str(fresh.parent), "--tag", tag]
             cmd += ["--out", str(done)]
-            t0, got = stamped(
-                cmd, work / f"ds{rep}.log", {"spawned": "spawned with command"}, gc_env(f"ds{rep}")
-            )
+            t0, got = stamped(cmd, work / f"ds{rep}.log", {}, gc_env(f"ds{rep}"))
             got["first_step"] = json.loads(done.read_text())["first_step_end"] - t0
+            got["spawned"] = spawned(work / f"gc-ds{rep}") - t0
             row = {k: round(v, 2) for k, v in got.items()}
             row["gc_s"] = gc_seconds(work / f"gc-ds{rep}", t0 + got["first_step"])
             out["deepspeed"].append(row)

@@ -296,6 +296,20 @@ def test_resume_bench_one_tiny_repetition(tmp_path):
     assert got["checkpoint_bytes"] > 0 and got["disk"]["write_Bps"] > 0
 
 
+@pytest.mark.bench  # a stage 15, then one resume of each side, its output lines stamped
+def test_resume_timeline_one_tiny_repetition(tmp_path):
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, "bench/resume_timeline.py", "--dim", "64", "--layers", "2"]
+    got = run_bench([*cmd, "--reps", "1", "--out", str(out)], out, 600)
+    (wl,) = got["wonderland"]
+    (ds,) = got["deepspeed"]
+    marks = ("front_done", "spawned", "resumed", "start_check_done", "first_step")
+    assert [wl[m] for m in marks] == sorted(wl[m] for m in marks) and wl["front_done"] > 0, wl
+    assert 0 < ds["spawned"] < ds["first_step"], ds
+    assert {"front", "rank0", "rank1"} <= set(wl["gc_s"]), wl["gc_s"]
+    assert {"runner", "rank0", "rank1"} <= set(ds["gc_s"]), ds["gc_s"]
+
+
 @pytest.mark.bench  # every part at a tiny size: ten launches and two exports
 def test_zero3_bench_quick(tmp_path):
     out = tmp_path / "r.json"
