@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,7 @@ def test_resume_timeline_gc_timer_counts_collections_by_role_up_to_the_first_ste
     like a rank: its collections are counted for that rank, and none after the cut-off."""
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        from resume_timeline import GC_TIMER, gc_seconds
+        from resume_timeline import GC_TIMER, gc_seconds, spawned
     finally:
         sys.path.remove(str(REPO / "bench"))
     site, logs = tmp_path / "site", tmp_path / "logs"
@@ -161,10 +162,13 @@ def test_resume_timeline_gc_timer_counts_collections_by_role_up_to_the_first_ste
         "import gc\nkeep = [[i] for i in range(300000)]\nfor _ in range(3):\n    gc.collect()\n"
     )
     env = dict(ENV, PYTHONPATH=str(site), GCLOG_DIR=str(logs), RANK="1")
+    t0 = time.time()
     r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
     log = next(logs.glob("*.log")).read_text().splitlines()
-    assert log[0] == f"1 {script}" and len(log) >= 4  # the three forced collections at least
+    rank, started, argv0 = log[0].split(" ", 2)
+    assert (rank, argv0) == ("1", str(script)) and len(log) >= 4  # three forced collections
+    assert t0 <= float(started) == spawned(logs) <= time.time()  # the interpreter's start
     spent = gc_seconds(logs, until=float("inf"))
     assert set(spent) == {"rank1"} and spent["rank1"] > 0
     assert gc_seconds(logs, until=0.0) == {"rank1": 0.0}
