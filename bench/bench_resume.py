@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from disk import read_speed, write_speed  # noqa: E402
 
+from wonderland_ds.launch.command import free_port  # noqa: E402
+
 BIN = Path(sys.executable).parent
 
 
@@ -109,8 +111,6 @@ def wonderland(cfg: Path, src: Path, work: Path, name: str, hostfile: str) -> di
 
 def deepspeed(cfg: Path, ckpt: Path, work: Path, name: str, nproc: int) -> dict:
     out_json = work / f"{name}.json"
-    from wonderland_ds.launch.command import free_port
-
     port = str(free_port())  # outside the ephemeral range, free now, as the engine's own launches
     # A fresh copy of the checkpoint, as the wonderland side resumes from a fresh copy of the
     # run: reading files copied just before is measurably slower here (a conversion of a

@@ -7,8 +7,8 @@ ranks, each side resuming from a fresh copy). Each output line is stamped with t
 since the command started, and these milestones are read from it:
 
 * wonderland: ``front_done`` (the front printed its launch line), ``spawned`` (the first
-  rank's interpreter started, read from the ``sitecustomize`` below), ``resumed`` (the checkpoint is loaded and checked),
-  ``start_check_done`` (the all-reduce verification table), ``first_step`` (metrics.csv);
+  rank's interpreter started, read from the ``sitecustomize`` below), ``resumed`` (the
+  checkpoint is loaded and checked), ``start_check_done`` (the all-reduce verification table), ``first_step`` (metrics.csv);
 * DeepSpeed: ``spawned``, ``imported`` (torch, DeepSpeed and the model built), ``loaded``
   (initialize and load_checkpoint), ``first_step``.
 
@@ -38,6 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_resume import BIN, config, env, first_step_wall  # noqa: E402
+
+from wonderland_ds.launch.command import free_port  # noqa: E402
 
 #: Installed as ``sitecustomize`` for both sides: every collection's end (wall clock) and
 #: duration, one line each, to GCLOG_DIR/<pid>.log, whose first line names the process and
@@ -179,8 +181,6 @@ def main() -> None:
             shutil.rmtree(fresh.parent, ignore_errors=True)
             shutil.copytree(src / "stage15" / "checkpoints" / tag, fresh, symlinks=True)
             os.sync()
-            from wonderland_ds.launch.command import free_port
-
             port = str(free_port())  # outside the ephemeral range and free, as the engine picks
             done = work / "ds.json"
             cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--no_ssh_check"]
